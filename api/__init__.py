@@ -1,0 +1,1 @@
+"""Strata api package (see README)."""

@@ -1,0 +1,1 @@
+"""Strata fusefs package (see README)."""

@@ -1,0 +1,150 @@
+"""The one interface every object store implements, and wrappers around it.
+
+Strata's store is a flat key -> bytes namespace (keys like `chunks/ab/ab12...`,
+`manifests/<id>`, `refs/<name>/<tag>`). Backends know nothing about chunks or
+manifests; everything above them (hashing, verification, layout) is shared.
+That keeps a backend small enough to check against the contract tests in
+tests/test_backend_contract.py, which every backend must pass.
+
+Keys are `/`-separated, each part matching [A-Za-z0-9._-]+ and not `.`/`..`;
+`check_key` enforces that so no key can escape a directory or a prefix.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
+
+from .errors import BackendUnavailable, InvalidInput
+
+_KEY_PART_RE = re.compile(r"[A-Za-z0-9._-]+")
+T = TypeVar("T")
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it is a safe object key, else raise InvalidInput."""
+    if not isinstance(key, str) or not key or len(key) > 512:
+        raise InvalidInput(f"invalid object key {key!r}")
+    for part in key.split("/"):
+        if part in (".", "..") or not _KEY_PART_RE.fullmatch(part):
+            raise InvalidInput(f"invalid object key {key!r}")
+    return key
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A flat, durable key -> bytes store.
+
+    Obligations, which the contract tests check for every implementation:
+    - `put` is atomic and durable: once it returns, `get` returns exactly
+      `data`, even after a crash; a reader never sees a partial object; while
+      it runs, readers see the old object or none. Re-putting a key is allowed.
+    - `get` returns the bytes last put, or raises NotFound.
+    - `stat` returns the object's size in bytes, or None if absent.
+    - `has_many` returns the subset of `keys` that exist, in as few round
+      trips as the store allows (it is how imports skip existing chunks).
+    - `list` yields (key, size) for every key under `prefix` (a string prefix
+      of the key), in any order, each once.
+    - `delete` removes a key; deleting an absent key is not an error.
+    - Failures: NotFound for a missing key, BackendUnavailable when the store
+      can't be reached or fails transiently (the only error worth retrying),
+      AccessDenied for bad credentials, BackendError for the rest.
+    - Safe to call from many threads at once.
+    """
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def stat(self, key: str) -> int | None: ...
+
+    def has_many(self, keys: Iterable[str]) -> set[str]: ...
+
+    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+def parallel_has(stat: Callable[[str], int | None], keys: Iterable[str], *, workers: int) -> set[str]:
+    """Existence check of many keys through `stat`, `workers` at a time.
+
+    For stores without a batch existence call (S3): the batch is answered in
+    one round of concurrent HEADs instead of a serial walk.
+    """
+    unique = list(dict.fromkeys(keys))
+    if not unique:
+        return set()
+    if len(unique) == 1 or workers <= 1:
+        return {k for k in unique if stat(k) is not None}
+    with ThreadPoolExecutor(max_workers=min(workers, len(unique)), thread_name_prefix="strata-has") as pool:
+        sizes = list(pool.map(stat, unique))
+    return {k for k, size in zip(unique, sizes) if size is not None}
+
+
+class RetryingBackend:
+    """Retries calls that fail with BackendUnavailable, with jittered backoff.
+
+    Only transient failures are retried; NotFound, AccessDenied and the like
+    surface at once. After `attempts` tries the last error propagates, so a
+    dead store produces an error in bounded time, never a hang.
+    """
+
+    def __init__(
+        self,
+        inner: Backend,
+        *,
+        attempts: int = 4,
+        base_delay: float = 0.1,
+        max_delay: float = 2.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.inner = inner
+        self._attempts = max(1, attempts)
+        self._base = base_delay
+        self._max = max_delay
+        self._sleep = sleep
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        for attempt in range(self._attempts):
+            try:
+                return fn()
+            except BackendUnavailable:
+                if attempt + 1 >= self._attempts:
+                    raise
+                delay = min(self._max, self._base * (2**attempt))
+                self._sleep(delay * (0.5 + random.random() / 2))
+        raise AssertionError("unreachable")
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(lambda: self.inner.put(key, data))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda: self.inner.get(key))
+
+    def stat(self, key: str) -> int | None:
+        return self._call(lambda: self.inner.stat(key))
+
+    def has_many(self, keys: Iterable[str]) -> set[str]:
+        keys = list(keys)
+        return self._call(lambda: self.inner.has_many(keys))
+
+    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        # Listing is materialised so a retry restarts cleanly instead of
+        # yielding duplicates from a half-consumed first attempt.
+        return iter(self._call(lambda: list(self.inner.list(prefix))))
+
+    def delete(self, key: str) -> None:
+        self._call(lambda: self.inner.delete(key))
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,211 @@
+"""Import a raw image (disk image, memory file) into the store as a layer.
+
+Pipeline, per window of chunks (a window bounds memory):
+
+    pread (holes skipped via SEEK_DATA) -> zero check -> blake3      hash pool
+    one batched existence check for the window's new digests          backend
+    zstd + put for the chunks the store lacks                         upload pool
+
+pread, blake3 and zstd all release the GIL, so the pools use every core.
+Uploads overlap with hashing of the next window; in-flight uploads are capped
+so memory stays near (window + 2 x upload concurrency) chunks. Chunks already
+stored are neither compressed nor uploaded, so re-importing an unchanged image
+uploads nothing. The manifest is published only after every upload finished
+and then the ref, so a failed import leaves no ref and no manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .chunk import DEFAULT_CHUNK_SIZE
+from .digest import digest_bytes
+from .errors import InvalidInput
+from .manifest import Layer, check_chunk_size
+from .refs import Ref, parse_ref
+from .sparse import data_chunks
+from .store import Store
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class ImportResult:
+    """What an import did; `as_dict` is the CLI's --json output."""
+
+    manifest_id: str
+    ref: str | None
+    size: int
+    chunk_size: int
+    data_chunks: int = 0
+    hole_chunks: int = 0
+    unique_chunks: int = 0
+    new_chunks: int = 0
+    new_raw_bytes: int = 0
+    new_stored_bytes: int = 0
+    read_bytes: int = 0
+    seconds: float = 0.0
+    parent: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "manifest": self.manifest_id,
+            "ref": self.ref,
+            "size": self.size,
+            "chunk_size": self.chunk_size,
+            "parent": self.parent,
+            "data_chunks": self.data_chunks,
+            "hole_chunks": self.hole_chunks,
+            "unique_chunks": self.unique_chunks,
+            "new_chunks": self.new_chunks,
+            "new_raw_bytes": self.new_raw_bytes,
+            "new_stored_bytes": self.new_stored_bytes,
+            "read_bytes": self.read_bytes,
+            "seconds": round(self.seconds, 4),
+            "throughput_mb_s": round(self.size / self.seconds / 1e6, 1) if self.seconds else None,
+        }
+
+
+def _open_image(path: Path) -> tuple[int, int]:
+    """Open an image read-only; return (fd, size). Clear errors for the usual mistakes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidInput(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidInput(f"{path}: is a directory, not an image file") from None
+    except PermissionError:
+        raise InvalidInput(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot open ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode):
+        return fd, st.st_size
+    if stat.S_ISBLK(st.st_mode):
+        return fd, os.lseek(fd, 0, os.SEEK_END)
+    os.close(fd)
+    raise InvalidInput(f"{path}: not a regular file or block device")
+
+
+def import_image(
+    store: Store,
+    path: str | os.PathLike[str],
+    ref: Ref | str | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    level: int | None = None,
+    parent: str | None = None,
+    annotations: dict[str, str] | None = None,
+    workers: int | None = None,
+    upload_concurrency: int | None = None,
+    window: int | None = None,
+    progress: Progress | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> ImportResult:
+    """Chunk, hash, compress and store `path`; publish a manifest and (optionally) a ref.
+
+    `parent` (a manifest id) makes the new layer hold only the chunks that
+    differ from the parent stack, with whiteouts where the parent had data and
+    the image now has zeros. `progress` is called with bytes advanced;
+    `on_total` once with the total number of bytes that will be read.
+    """
+    started = time.monotonic()
+    check_chunk_size(chunk_size)
+    target = parse_ref(ref) if isinstance(ref, str) else ref
+    parent_map: dict[int, str] = {}
+    if parent is not None:
+        parent_top, parent_map = store.chunk_map(parent)
+        if parent_top.chunk_size != chunk_size:
+            raise InvalidInput(f"parent layer uses {parent_top.chunk_size}-byte chunks, this import {chunk_size}")
+    path = Path(path)
+    fd, size = _open_image(path)
+    workers = workers or max(2, os.cpu_count() or 2)
+    upload_concurrency = upload_concurrency or max(4, workers * 2)
+    window = window or max(32, workers * 8)
+    result = ImportResult(manifest_id="", ref=str(target) if target else None, size=size, chunk_size=chunk_size, parent=parent)
+    try:
+        indices = list(data_chunks(fd, size, chunk_size))
+        if on_total:
+            on_total(sum(min(chunk_size, size - i * chunk_size) for i in indices))
+        zero = bytes(chunk_size)
+        chunk_digests: dict[int, str] = {}
+        seen: set[str] = set()
+        errors: list[BaseException] = []
+        stats_lock = threading.Lock()
+        inflight = threading.BoundedSemaphore(upload_concurrency * 2)
+
+        def read_hash(index: int) -> tuple[int, bytes | None, str | None]:
+            data = os.pread(fd, chunk_size, index * chunk_size)
+            if data == zero or (len(data) < chunk_size and data.count(0) == len(data)):
+                return index, None, None
+            return index, data, digest_bytes(data)
+
+        def upload(digest: str, data: bytes) -> None:
+            try:
+                stored = store.write_chunk(digest, data, level=level)
+                with stats_lock:
+                    result.new_chunks += 1
+                    result.new_raw_bytes += len(data)
+                    result.new_stored_bytes += stored
+                    uploaded.append((digest, stored, len(data)))
+            except BaseException as exc:  # surfaced after the pool drains
+                errors.append(exc)
+            finally:
+                inflight.release()
+
+        uploaded: list[tuple[str, int, int]] = []
+        futures: list[Future[None]] = []
+        with ThreadPoolExecutor(workers, thread_name_prefix="strata-hash") as hash_pool, ThreadPoolExecutor(
+            upload_concurrency, thread_name_prefix="strata-put"
+        ) as put_pool:
+            for start in range(0, len(indices), window):
+                if errors:
+                    break
+                batch = list(hash_pool.map(read_hash, indices[start : start + window]))
+                fresh: dict[str, bytes] = {}
+                for index, data, digest in batch:
+                    length = min(chunk_size, size - index * chunk_size)
+                    result.read_bytes += length
+                    if digest is None:
+                        continue
+                    chunk_digests[index] = digest
+                    if digest not in seen:
+                        seen.add(digest)
+                        fresh[digest] = data  # type: ignore[assignment]
+                missing = store.missing_chunks(fresh) if fresh else set()
+                for digest in missing:
+                    inflight.acquire()
+                    futures.append(put_pool.submit(upload, digest, fresh[digest]))
+                del fresh, batch
+                if progress:
+                    progress(sum(min(chunk_size, size - i * chunk_size) for i in indices[start : start + window]))
+        if errors:
+            raise errors[0]
+        store.catalog.add_chunks(uploaded)
+        result.data_chunks = len(chunk_digests)
+        result.hole_chunks = -(-size // chunk_size) - len(chunk_digests)
+        result.unique_chunks = len(seen)
+        layer_chunks: dict[int, str | None]
+        if parent is None:
+            layer_chunks = dict(chunk_digests)
+        else:
+            count = -(-size // chunk_size)
+            layer_chunks = {i: d for i, d in chunk_digests.items() if parent_map.get(i) != d}
+            layer_chunks.update({i: None for i in parent_map if i < count and i not in chunk_digests})
+        layer = Layer(size=size, chunk_size=chunk_size, chunks=layer_chunks, parent=parent, annotations=annotations or {})
+        result.manifest_id = store.put_layer(layer)
+        if target is not None:
+            store.set_ref(target, result.manifest_id)
+    finally:
+        os.close(fd)
+    result.seconds = time.monotonic() - started
+    return result
+

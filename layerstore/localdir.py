@@ -1,0 +1,171 @@
+"""The embedded backend: objects as files in a local directory.
+
+On-disk layout of a local store directory:
+
+    STORE/
+      STRATA              marker: "strata-store 1\\n" (format version)
+      objects/<key>       one file per object, e.g. objects/chunks/ab/ab12...
+      tmp/                temp files; a crash may leave some, ignored and reaped
+      catalog/            LMDB catalog (layerstore/catalog.py), not objects
+
+`put` writes a temp file in tmp/ (same filesystem), fsyncs it, renames it into
+place and fsyncs the directory, so an object is either whole and durable or
+absent, whatever moment the process dies at.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from .backend import check_key
+from .errors import AccessDenied, BackendError, InvalidInput, NotFound
+
+MARKER = "strata-store 1\n"
+TMP_MAX_AGE = 24 * 3600
+
+
+def _os_error(exc: OSError, what: str) -> Exception:
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return AccessDenied(f"local store: permission denied {what}: {exc.strerror}")
+    if exc.errno == errno.ENOSPC:
+        return BackendError(f"local store: no space left on device {what}")
+    return BackendError(f"local store: {what}: {exc.strerror or exc}")
+
+
+class LocalDirBackend:
+    """A `Backend` over a directory on a local filesystem."""
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, fsync: bool = True) -> None:
+        self.root = Path(root).absolute()
+        self._objects = self.root / "objects"
+        self._tmp = self.root / "tmp"
+        self._fsync = fsync
+        self._known_dirs: set[Path] = set()
+        self._lock = threading.Lock()
+        marker = self.root / "STRATA"
+        if marker.exists():
+            if marker.read_text() != MARKER:
+                raise InvalidInput(f"{self.root} holds a store of an unknown format ({marker} differs)")
+        elif not create:
+            raise NotFound(f"no Strata store at {self.root}")
+        elif self.root.exists() and not self.root.is_dir():
+            raise InvalidInput(f"store path {self.root} exists and is not a directory")
+        elif self.root.exists() and any(p.name not in ("objects", "tmp", "catalog") for p in self.root.iterdir()):
+            raise InvalidInput(f"store path {self.root} is a non-empty directory that is not a Strata store")
+        else:
+            try:
+                self._objects.mkdir(parents=True, exist_ok=True)
+                self._tmp.mkdir(exist_ok=True)
+                tmp = self._tmp / f"marker.{uuid.uuid4().hex}"
+                tmp.write_text(MARKER)
+                os.replace(tmp, marker)
+            except OSError as exc:
+                raise _os_error(exc, f"creating store at {self.root}") from None
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self._objects / check_key(key)
+
+    def _ensure_dir(self, directory: Path) -> None:
+        if directory in self._known_dirs:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._known_dirs.add(directory)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._tmp / f"{path.name}.{uuid.uuid4().hex}"
+        try:
+            self._ensure_dir(path.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            if self._fsync:
+                dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except OSError as exc:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise _os_error(exc, f"writing {key}") from None
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise NotFound(f"object {key} not found in {self.root}") from None
+        except OSError as exc:
+            raise _os_error(exc, f"reading {key}") from None
+
+    def stat(self, key: str) -> int | None:
+        try:
+            return os.stat(self._path(key)).st_size
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _os_error(exc, f"checking {key}") from None
+
+    def has_many(self, keys: Iterable[str]) -> set[str]:
+        return {k for k in keys if self.stat(k) is not None}
+
+    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        if prefix:
+            check_key(prefix.rstrip("/") or "x")
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = self._objects / base if base else self._objects
+        for dirpath, _dirs, files in os.walk(top):
+            rel = os.path.relpath(dirpath, self._objects)
+            for name in files:
+                key = name if rel == "." else f"{rel}/{name}"
+                if key.startswith(prefix):
+                    try:
+                        yield key, os.stat(os.path.join(dirpath, name)).st_size
+                    except FileNotFoundError:
+                        continue
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _os_error(exc, f"deleting {key}") from None
+
+    def reap_tmp(self, *, max_age: float = TMP_MAX_AGE, now: float | None = None) -> int:
+        """Remove temp files older than `max_age` (left by crashed writers)."""
+        import time
+
+        cutoff = (time.time() if now is None else now) - max_age
+        removed = 0
+        for entry in os.scandir(self._tmp):
+            try:
+                if entry.stat().st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,175 @@
+"""Layer manifests: what a layer holds, in a canonical, hashable encoding.
+
+A layer is a sparse map from chunk index to chunk digest over a byte range of
+`size` bytes cut into `chunk_size` pieces, plus an optional parent layer. A
+layer holds only the chunks that differ from its parent; reading resolves
+top-down through the stack (top layer first, then its parent, ...), and an
+index that no layer maps is a hole (zeros). A `null` digest is a *whiteout*:
+an explicit hole in this layer that hides the parent's chunk at that index.
+
+Stored at `manifests/<id>` as canonical JSON (sorted keys, no spaces, UTF-8):
+
+    {
+      "annotations": {"source": "disk.img"},     optional, str -> str
+      "chunk_size": 1048576,                     power of two, 64 KiB .. 16 MiB
+      "chunks": [[0, "af13..."], [7, null], ...] ascending unique indices
+      "kind": "layer",
+      "parent": "9c2e..." | null,                manifest id of the layer below
+      "size": 68719476736,                       logical bytes
+      "v": 1
+    }
+
+The manifest id is the blake3-256 of exactly those bytes, so two imports of
+the same content produce the same id, and a fetched manifest is verified by
+re-hashing it. `parse_manifest` rejects anything else with a message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .chunk import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from .digest import check_digest, digest_bytes, is_digest
+from .errors import CorruptObject, InvalidInput
+
+FORMAT_VERSION = 1
+MAX_SIZE = 1 << 50  # 1 PiB: far above any disk image, small enough to catch garbage
+MAX_STACK_DEPTH = 256
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    """Return `chunk_size` if it is a power of two in [64 KiB, 16 MiB]."""
+    if (
+        not isinstance(chunk_size, int)
+        or isinstance(chunk_size, bool)
+        or chunk_size < MIN_CHUNK_SIZE
+        or chunk_size > MAX_CHUNK_SIZE
+        or chunk_size & (chunk_size - 1)
+    ):
+        raise InvalidInput(f"chunk size {chunk_size!r} must be a power of two from 64 KiB to 16 MiB")
+    return chunk_size
+
+
+def manifest_key(manifest_id: str) -> str:
+    """The object key of the manifest with this id (validated)."""
+    check_digest(manifest_id, what="manifest id")
+    return f"manifests/{manifest_id}"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer manifest. `chunks` maps index -> digest, or None for a whiteout."""
+
+    size: int
+    chunk_size: int
+    chunks: Mapping[int, str | None]
+    parent: str | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def chunk_count(self) -> int:
+        """Number of chunk slots covering `size` bytes."""
+        return -(-self.size // self.chunk_size)
+
+    def encode(self) -> bytes:
+        """Canonical bytes of this manifest (validates first)."""
+        _validate(self)
+        body: dict[str, object] = {
+            "chunk_size": self.chunk_size,
+            "chunks": [[i, self.chunks[i]] for i in sorted(self.chunks)],
+            "kind": "layer",
+            "parent": self.parent,
+            "size": self.size,
+            "v": FORMAT_VERSION,
+        }
+        if self.annotations:
+            body["annotations"] = dict(self.annotations)
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def manifest_id(self) -> str:
+        """blake3 of the canonical encoding."""
+        return digest_bytes(self.encode())
+
+
+def _validate(layer: Layer) -> None:
+    if not isinstance(layer.size, int) or isinstance(layer.size, bool) or not 0 <= layer.size <= MAX_SIZE:
+        raise InvalidInput(f"layer size {layer.size!r} out of range")
+    check_chunk_size(layer.chunk_size)
+    if layer.parent is not None:
+        check_digest(layer.parent, what="parent manifest id")
+    count = layer.chunk_count
+    for index, digest in layer.chunks.items():
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+            raise InvalidInput(f"chunk index {index!r} outside a layer of {count} chunks")
+        if digest is not None and not is_digest(digest):
+            raise InvalidInput(f"chunk {index}: malformed digest {str(digest)[:80]!r}")
+        if digest is None and layer.parent is None:
+            raise InvalidInput(f"chunk {index}: whiteout in a layer without a parent")
+    for key, value in layer.annotations.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidInput("annotations must map strings to strings")
+
+
+def parse_manifest(manifest_id: str, blob: bytes) -> Layer:
+    """Verify `blob` hashes to `manifest_id` and decode it, or raise CorruptObject."""
+    check_digest(manifest_id, what="manifest id")
+    actual = digest_bytes(blob)
+    if actual != manifest_id:
+        raise CorruptObject(f"manifest {manifest_id}: content hashes to {actual} (corrupt object)")
+    try:
+        body = json.loads(blob)
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        if body.get("v") != FORMAT_VERSION:
+            raise ValueError(f"unsupported format version {body.get('v')!r}")
+        if body.get("kind") != "layer":
+            raise ValueError(f"unknown manifest kind {body.get('kind')!r}")
+        extra = set(body) - {"v", "kind", "size", "chunk_size", "parent", "chunks", "annotations"}
+        if extra:
+            raise ValueError(f"unknown fields {sorted(extra)}")
+        entries = body["chunks"]
+        if not isinstance(entries, list):
+            raise ValueError("chunks is not a list")
+        chunks: dict[int, str | None] = {}
+        previous = -1
+        for entry in entries:
+            if not isinstance(entry, list) or len(entry) != 2:
+                raise ValueError("chunk entry is not an [index, digest] pair")
+            index, digest = entry
+            if not isinstance(index, int) or index <= previous:
+                raise ValueError("chunk indices are not ascending integers")
+            previous = index
+            chunks[index] = digest
+        layer = Layer(
+            size=body["size"],
+            chunk_size=body["chunk_size"],
+            chunks=chunks,
+            parent=body["parent"],
+            annotations=body.get("annotations", {}),
+        )
+        _validate(layer)
+    except (ValueError, KeyError, TypeError, InvalidInput) as exc:
+        raise CorruptObject(f"manifest {manifest_id}: malformed ({exc})") from None
+    return layer
+
+
+def flatten(stack: list[Layer]) -> dict[int, str]:
+    """Resolve a layer stack (top first) into index -> digest; holes omitted.
+
+    The top layer's size and chunk size are the stack's; every layer below
+    must share the chunk size, and indices past the top's size are dropped.
+    """
+    if not stack:
+        return {}
+    top = stack[0]
+    count = top.chunk_count
+    resolved: dict[int, str | None] = {}
+    for layer in reversed(stack):
+        if layer.chunk_size != top.chunk_size:
+            raise CorruptObject(
+                f"layer stack mixes chunk sizes {layer.chunk_size} and {top.chunk_size}"
+            )
+        resolved.update(layer.chunks)
+    return {i: d for i, d in resolved.items() if d is not None and i < count}

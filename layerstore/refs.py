@@ -1,0 +1,90 @@
+"""Named refs: `NAME:TAG` pointing at a manifest.
+
+A ref is stored as a small JSON object under
+
+    refs/<NAME>/<TAG>      {"manifest": "<64 hex>", "updated": <unix seconds>}
+
+Names and tags become path components and object keys, so they are held to a
+strict alphabet: a letter or digit, then letters, digits, `.`, `_`, `-`, at
+most 128 characters. Anything else (`/`, `..`, NUL, spaces) is refused with a
+message before it reaches a backend.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from .digest import check_digest
+from .errors import CorruptObject, InvalidInput
+
+_PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+DEFAULT_TAG = "latest"
+
+
+@dataclass(frozen=True, order=True)
+class Ref:
+    """A validated `NAME:TAG` pair."""
+
+    name: str
+    tag: str
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.tag}"
+
+    @property
+    def key(self) -> str:
+        """The object key this ref is stored under."""
+        return f"refs/{self.name}/{self.tag}"
+
+
+def _check_part(part: str, what: str, text: str) -> None:
+    if not _PART_RE.fullmatch(part):
+        raise InvalidInput(
+            f"invalid image {what} in {text!r}: use letters, digits, '.', '_', '-' "
+            "(starting with a letter or digit, at most 128 characters)"
+        )
+
+
+def parse_ref(text: str) -> Ref:
+    """Parse `NAME[:TAG]` (tag defaults to `latest`), refusing path tricks."""
+    if not isinstance(text, str) or not text:
+        raise InvalidInput("empty image reference")
+    name, sep, tag = text.partition(":")
+    if not sep:
+        tag = DEFAULT_TAG
+    _check_part(name, "name", text)
+    _check_part(tag, "tag", text)
+    return Ref(name, tag)
+
+
+def ref_from_key(key: str) -> Ref | None:
+    """Inverse of `Ref.key`; None for keys that are not well-formed refs."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != "refs":
+        return None
+    if not (_PART_RE.fullmatch(parts[1]) and _PART_RE.fullmatch(parts[2])):
+        return None
+    return Ref(parts[1], parts[2])
+
+
+def encode_ref_target(manifest_id: str, *, now: float | None = None) -> bytes:
+    """The stored body of a ref pointing at `manifest_id`."""
+    check_digest(manifest_id, what="manifest id")
+    body = {"manifest": manifest_id, "updated": int(time.time() if now is None else now)}
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def decode_ref_target(ref: Ref, blob: bytes) -> tuple[str, int]:
+    """Return (manifest id, updated time) from a stored ref body."""
+    try:
+        body = json.loads(blob)
+        manifest_id = check_digest(body["manifest"], what="manifest id")
+        updated = int(body.get("updated", 0))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptObject(f"ref {ref}: stored ref is malformed ({exc})") from None
+    except InvalidInput as exc:
+        raise CorruptObject(f"ref {ref}: {exc}") from None
+    return manifest_id, updated

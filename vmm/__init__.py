@@ -1,0 +1,1 @@
+"""Strata vmm package (see README)."""
