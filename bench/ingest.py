@@ -64,9 +64,10 @@ class Measured:
     wall_s: float
     user_s: float
     sys_s: float
-    maxrss_bytes: int
+    maxrss_bytes: int | None
     stdout: str
     stderr_tail: str
+    timed_out: bool = False
 
 
 def shell_line(cmd: list[str], env_shown: dict[str, str], cwd: Path | None) -> str:
@@ -76,25 +77,69 @@ def shell_line(cmd: list[str], env_shown: dict[str, str], cwd: Path | None) -> s
     return prefix + (envs + " " if envs else "") + shlex.join(cmd)
 
 
+GNU_TIME = Path("/usr/bin/time")
+
+# Fallback when GNU time is missing: a small fresh interpreter that spawns the
+# tool and reports the tool's own ru_maxrss (KiB) into the file argv[1].
+_PY_LAUNCHER = (
+    "import os,sys\n"
+    "pid=os.posix_spawnp(sys.argv[2],sys.argv[2:],os.environ)\n"
+    "_,s,ru=os.wait4(pid,0)\n"
+    "open(sys.argv[1],'w').write(str(ru.ru_maxrss))\n"
+    "c=os.waitstatus_to_exitcode(s)\n"
+    "sys.exit(c if c>=0 else 128-c)\n"
+)
+
+
+def rss_method() -> str:
+    """Which launcher measures peak RSS; recorded in the JSON meta."""
+    return "gnu-time" if GNU_TIME.is_file() else "python-launcher (floor ~8 MiB)"
+
+
+def _wrap_for_rss(cmd: list[str], rss_file: Path) -> list[str]:
+    """Run ``cmd`` under a small launcher that reports the tool's own peak RSS.
+
+    Why not just ``os.wait4`` on the tool: Linux carries the pre-exec
+    ``ru_maxrss`` of a forked/vforked child across ``execve``, so a tool started
+    straight from this (large) Python process would inherit the harness' RSS
+    as its floor (measured: 216 MiB for ``true``).  GNU time is ~1 MiB, so the
+    tool it forks starts from ~1 MiB.
+    """
+    if GNU_TIME.is_file():
+        return [str(GNU_TIME), "-f", "%M", "-o", str(rss_file), *cmd]
+    return [sys.executable, "-I", "-S", "-c", _PY_LAUNCHER, str(rss_file), *cmd]
+
+
+def _read_rss_kib(rss_file: Path) -> int | None:
+    """Last line of the launcher's report (GNU time prefixes exit-status notes)."""
+    try:
+        lines = rss_file.read_text().split()
+        return int(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
 def run_measured(cmd: list[str], env_extra: dict[str, str], log_dir: Path,
                  timeout: float, cwd: Path | None = None, echo: bool = True) -> Measured:
-    """Run ``cmd`` and reap it with ``os.wait4`` to get the child's rusage.
+    """Run ``cmd``; time it here, take CPU from ``os.wait4``, peak RSS from the launcher.
 
-    ``subprocess.run`` would hide the rusage; ``resource.getrusage(CHILDREN)``
-    would mix all children together and keep the max RSS of the largest one
-    ever seen.  stdout/stderr go to files, not pipes, so a chatty tool cannot
-    block on a full pipe while we sit in wait4.
+    CPU from wait4 of the launcher includes the tool (its reaped child), and
+    the launcher's own CPU is negligible.  stdout/stderr go to files, not
+    pipes, so a chatty tool cannot block on a full pipe while we sit in wait4.
     """
     line = shell_line(cmd, env_extra, cwd)
     if echo:
         print(f"$ {line}", flush=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log_dir / "last.stdout", log_dir / "last.stderr"
+    rss_path = log_dir / "last.maxrss"
+    rss_path.unlink(missing_ok=True)
     env = {**os.environ, **env_extra}
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(_wrap_for_rss(cmd, rss_path), stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                                start_new_session=True)
         killer = threading.Timer(timeout, _kill_group, (proc.pid,))
         killer.start()
         try:
@@ -103,10 +148,14 @@ def run_measured(cmd: list[str], env_extra: dict[str, str], log_dir: Path,
             killer.cancel()
         wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)  # keep Popen from reaping again
+    rss_kib = _read_rss_kib(rss_path)
     stderr = err_path.read_text(errors="replace")
+    if wall >= timeout:
+        stderr += f"\nkilled after --timeout {timeout:g}s"
     return Measured(line, proc.returncode, wall, ru.ru_utime, ru.ru_stime,
-                    ru.ru_maxrss * 1024, out_path.read_text(errors="replace"),
-                    stderr[-2000:])
+                    rss_kib * 1024 if rss_kib is not None else None,
+                    out_path.read_text(errors="replace"), stderr[-2000:],
+                    timed_out=wall >= timeout)
 
 
 def _kill_group(pid: int) -> None:
@@ -166,6 +215,7 @@ class Ctx:
     timeout: float
     restore: bool
     strata_bin: Path
+    strata_import_args: list[str] = field(default_factory=list)
 
 
 class Tool:
@@ -230,7 +280,19 @@ class Strata(Tool):
 
     def ingest(self, d: Path, image: Path, tag: str) -> list[str]:
         return [self.binary(), "--store", str(self.repo(d)), "image", "import",
-                str(image), f"bench:{tag}", "--json"]
+                str(image), f"bench:{tag}", "--json", *self.ctx.strata_import_args]
+
+    def version(self) -> str:
+        """The CLI has no --version; the git commit of the checkout identifies it."""
+        git = ["git", "-C", str(REPO_ROOT)]
+        try:
+            head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, timeout=30).stdout.strip() or "no commit"
+            dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+        return f"git {head}{' + uncommitted changes' if dirty else ''}"
 
     def read(self, d: Path, tag: str, image: Path, out_dir: Path):
         out = out_dir / f"{tag}.img"
@@ -542,8 +604,14 @@ def _align(rows: list[list[str]]) -> str:
 
 
 def ratio_lines(rat: list[dict[str, Any]]) -> list[str]:
-    """The "restic/strata time = 2.3x" lines."""
-    return [f"{r['tool']}/strata {r['metric']} ({r['step']}) = {r['ratio']:.2f}x" for r in rat]
+    """One line per (peer, metric): "restic/strata time = 2.30x ingest_v1, ..."."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for r in rat:
+        grouped.setdefault((r["tool"], r["metric"]), []).append(f"{r['ratio']:.2f}x {r['step']}")
+    labels = {"time": "time  ", "stored": "stored", "rss": "rss   "}
+    tools = list(dict.fromkeys(r["tool"] for r in rat))
+    return [f"{tool}/strata {labels[metric]} = {', '.join(grouped[(tool, metric)])}"
+            for tool in tools for metric in labels if (tool, metric) in grouped]
 
 
 # --------------------------------------------------------------------------
@@ -579,6 +647,7 @@ def meta(args: argparse.Namespace, tools: list[Tool]) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "versions": {t.name: (t.version() if not t.missing() else "not available") for t in tools},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rss_method": rss_method(),
         "page_cache": "input images read once before the first tool; not dropped between tools",
     }
 
@@ -597,6 +666,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also time restic restore / borg extract / casync extract of v1")
     p.add_argument("--strata", type=Path, default=REPO_ROOT / ".venv" / "bin" / "strata",
                    help="strata executable (default .venv/bin/strata)")
+    p.add_argument("--strata-import-args", default="", metavar="ARGS",
+                   help="extra args for strata image import, e.g. '--level 3' to match borg")
     p.add_argument("--json", type=Path, metavar="FILE", help="write all numbers to FILE")
     p.add_argument("--timeout", type=float, default=3600, help="per-command timeout, seconds")
     p.add_argument("--regen", action="store_true", help="regenerate images even if cached")
@@ -615,8 +686,9 @@ def main(argv: list[str] | None = None) -> int:
     images = prepare_images(args.workdir, size, args.seed, args.change_pct, args.regen)
     v1, v2 = Path(images["v1"]), Path(images["v2"])
     images["warm_read_s"] = warm(v1) + warm(v2)
-    ctx = Ctx(v1, v2, v1.stat().st_size, args.timeout, args.restore, args.strata.resolve()
-              if args.strata.exists() else args.strata)
+    strata_bin = args.strata.resolve() if args.strata.exists() else args.strata
+    ctx = Ctx(v1, v2, v1.stat().st_size, args.timeout, args.restore, strata_bin,
+              shlex.split(args.strata_import_args))
     tools = [TOOLS[n](ctx) for n in names]
     info = meta(args, tools)
 

@@ -47,6 +47,8 @@ def decode_chunk(digest: str, blob: bytes, *, max_size: int = MAX_CHUNK_SIZE) ->
     """
     try:
         params = zstandard.get_frame_parameters(blob)
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+            raise CorruptObject(f"chunk {digest}: zstd frame records no content size (not written by Strata)")
         if params.content_size > max_size:
             raise CorruptObject(f"chunk {digest}: frame claims {params.content_size} bytes, above the {max_size} limit")
         data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max_size)

@@ -87,6 +87,9 @@ def _open_image(path: Path) -> tuple[int, int]:
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot open ({exc.strerror})") from None
     st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        raise InvalidInput(f"{path}: is a directory, not an image file")
     if stat.S_ISREG(st.st_mode):
         return fd, st.st_size
     if stat.S_ISBLK(st.st_mode):
@@ -143,7 +146,10 @@ def import_image(
         inflight = threading.BoundedSemaphore(upload_concurrency * 2)
 
         def read_hash(index: int) -> tuple[int, bytes | None, str | None]:
-            data = os.pread(fd, chunk_size, index * chunk_size)
+            try:
+                data = os.pread(fd, chunk_size, index * chunk_size)
+            except OSError as exc:
+                raise InvalidInput(f"{path}: read error at offset {index * chunk_size} ({exc.strerror})") from None
             if data == zero or (len(data) < chunk_size and data.count(0) == len(data)):
                 return index, None, None
             return index, data, digest_bytes(data)

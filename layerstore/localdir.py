@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -154,8 +155,6 @@ class LocalDirBackend:
 
     def reap_tmp(self, *, max_age: float = TMP_MAX_AGE, now: float | None = None) -> int:
         """Remove temp files older than `max_age` (left by crashed writers)."""
-        import time
-
         cutoff = (time.time() if now is None else now) - max_age
         removed = 0
         for entry in os.scandir(self._tmp):

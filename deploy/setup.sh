@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One entry point for setting Strata up on a fresh Debian 12 machine.
+#
+#   bash deploy/setup.sh demo    install everything, then run the demo on the embedded local store
+#   bash deploy/setup.sh test    install everything, then run the whole test suite
+#   bash deploy/setup.sh install install only (apt packages + .venv with the project)
+#   bash deploy/setup.sh bench   install everything plus the benchmark peers (restic, borg, casync, rclone)
+#
+# Idempotent: apt runs only for missing packages, pip only installs what changed.
+# Needs root (or sudo) for apt-get; everything else stays inside the checkout.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+MODE=${1:-install}
+
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static e2fsprogs iproute2 util-linux
+              python3 python3-venv python3-dev gcc)
+BENCH_PACKAGES=(restic borgbackup casync rclone)
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+apt_install() {
+    local missing=()
+    for pkg in "$@"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    log "installing Debian packages: ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+venv_install() {
+    local python=${PYTHON:-python3}
+    if [ ! -x .venv/bin/python ]; then
+        log "creating .venv with $($python --version)"
+        "$python" -m venv .venv
+    fi
+    log "installing Strata and its test dependencies into .venv"
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+    .venv/bin/python -m pip install -q -e ".[test]"
+    [ -x .venv/bin/strata ] || { echo "setup: .venv/bin/strata missing after install" >&2; exit 1; }
+}
+
+install() {
+    apt_install "${APT_PACKAGES[@]}"
+    venv_install
+}
+
+case "$MODE" in
+    install) install ;;
+    demo)
+        install
+        exec bash "$ROOT/deploy/demo.sh"
+        ;;
+    test)
+        install
+        log "running the test suite"
+        set +e
+        .venv/bin/python -m pytest -q "${@:2}"
+        rc=$?
+        set -e
+        # pytest exits 5 when no test ran: that is a failure here, never a pass.
+        exit $rc
+        ;;
+    bench)
+        install
+        apt_install "${BENCH_PACKAGES[@]}"
+        ;;
+    *)
+        echo "usage: bash deploy/setup.sh install|demo|test|bench" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,146 @@
+"""The Backend contract (layerstore/backend.py), run against every backend."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from layerstore.backend import Backend, RetryingBackend, check_key
+from layerstore.errors import BackendUnavailable, InvalidInput, NotFound
+
+
+def test_put_get_roundtrip(backend: Backend) -> None:
+    data = os.urandom(1 << 20)
+    backend.put("chunks/ab/obj", data)
+    assert backend.get("chunks/ab/obj") == data
+    assert backend.stat("chunks/ab/obj") == len(data)
+
+
+def test_empty_object(backend: Backend) -> None:
+    backend.put("refs/x/empty", b"")
+    assert backend.get("refs/x/empty") == b""
+    assert backend.stat("refs/x/empty") == 0
+
+
+def test_missing_key(backend: Backend) -> None:
+    with pytest.raises(NotFound):
+        backend.get("chunks/00/nope")
+    assert backend.stat("chunks/00/nope") is None
+
+
+def test_overwrite_replaces_whole_object(backend: Backend) -> None:
+    backend.put("refs/a/b", b"first version, longer")
+    backend.put("refs/a/b", b"second")
+    assert backend.get("refs/a/b") == b"second"
+
+
+def test_has_many_returns_exactly_present(backend: Backend) -> None:
+    present = [f"chunks/{i:02x}/k{i}" for i in range(20)]
+    for key in present:
+        backend.put(key, key.encode())
+    absent = [f"chunks/{i:02x}/missing{i}" for i in range(20)]
+    assert backend.has_many(present + absent) == set(present)
+    assert backend.has_many([]) == set()
+
+
+def test_list_prefix_and_sizes(backend: Backend) -> None:
+    backend.put("chunks/aa/one", b"1")
+    backend.put("chunks/ab/two", b"22")
+    backend.put("manifests/m1", b"333")
+    backend.put("refs/img/v1", b"4444")
+    assert dict(backend.list("chunks/")) == {"chunks/aa/one": 1, "chunks/ab/two": 2}
+    assert dict(backend.list("chunks/aa")) == {"chunks/aa/one": 1}
+    assert dict(backend.list("refs/")) == {"refs/img/v1": 4}
+    everything = dict(backend.list(""))
+    assert set(everything) == {"chunks/aa/one", "chunks/ab/two", "manifests/m1", "refs/img/v1"}
+
+
+def test_list_many_keys_each_once(backend: Backend) -> None:
+    keys = [f"manifests/k{i:05d}" for i in range(1100)]  # more than one S3 page
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: backend.put(k, b"x"), keys))
+    listed = [k for k, _ in backend.list("manifests/")]
+    assert sorted(listed) == keys
+
+
+def test_delete_is_idempotent(backend: Backend) -> None:
+    backend.put("refs/a/b", b"x")
+    backend.delete("refs/a/b")
+    backend.delete("refs/a/b")
+    assert backend.stat("refs/a/b") is None
+    with pytest.raises(NotFound):
+        backend.get("refs/a/b")
+
+
+def test_concurrent_puts_of_same_key_leave_one_whole_value(backend: Backend, request: pytest.FixtureRequest) -> None:
+    if "moto" in request.node.callspec.id:
+        pytest.skip("moto's in-process S3 model is not thread-safe for concurrent PUTs of one key; local and SeaweedFS cover it")
+    values = [bytes([i]) * 65536 for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda v: backend.put("chunks/cc/same", v), values))
+    assert backend.get("chunks/cc/same") in values
+
+
+@pytest.mark.parametrize("key", ["", "../etc/passwd", "a/../b", "/abs", "a//b", "a/./b", "sp ace", "nul\0x", "a\\b"])
+def test_bad_keys_refused_before_io(backend: Backend, key: str) -> None:
+    with pytest.raises(InvalidInput):
+        backend.put(key, b"x")
+    with pytest.raises(InvalidInput):
+        backend.get(key)
+
+
+def test_check_key_accepts_layout_keys() -> None:
+    assert check_key("chunks/ab/" + "ab" * 32) == "chunks/ab/" + "ab" * 32
+    assert check_key("refs/my-image/v1.2_3") == "refs/my-image/v1.2_3"
+
+
+class FlakyBackend:
+    """Fails the first `failures` calls transiently, then delegates."""
+
+    def __init__(self, inner: Backend, failures: int) -> None:
+        self.inner, self.failures, self.calls = inner, failures, 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - pass-through
+        target = getattr(self.inner, name)
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise BackendUnavailable("transient")
+            return target(*args, **kwargs)
+
+        return call
+
+
+def test_retry_wrapper_retries_transient_then_succeeds(tmp_path) -> None:
+    from layerstore.localdir import LocalDirBackend
+
+    inner = LocalDirBackend(tmp_path / "s")
+    flaky = FlakyBackend(inner, failures=2)
+    delays: list[float] = []
+    retrying = RetryingBackend(flaky, attempts=3, base_delay=0.01, sleep=delays.append)  # type: ignore[arg-type]
+    retrying.put("refs/a/b", b"ok")
+    assert inner.get("refs/a/b") == b"ok"
+    assert len(delays) == 2 and delays[1] > delays[0] * 0.9
+
+
+def test_retry_wrapper_gives_up_after_attempts(tmp_path) -> None:
+    from layerstore.localdir import LocalDirBackend
+
+    flaky = FlakyBackend(LocalDirBackend(tmp_path / "s"), failures=100)
+    retrying = RetryingBackend(flaky, attempts=3, base_delay=0.0, sleep=lambda s: None)  # type: ignore[arg-type]
+    with pytest.raises(BackendUnavailable):
+        retrying.get("refs/a/b")
+    assert flaky.calls == 3
+
+
+def test_retry_wrapper_does_not_retry_not_found(tmp_path) -> None:
+    from layerstore.localdir import LocalDirBackend
+
+    flaky = FlakyBackend(LocalDirBackend(tmp_path / "s"), failures=0)
+    retrying = RetryingBackend(flaky, attempts=5, base_delay=0.0, sleep=lambda s: None)  # type: ignore[arg-type]
+    with pytest.raises(NotFound):
+        retrying.get("refs/a/b")
+    assert flaky.calls == 1

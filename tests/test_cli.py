@@ -1,0 +1,219 @@
+"""The `strata` command end to end, as a user runs it, on all three backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import seaweed_env
+from tests.images import write_image
+
+
+def strata_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "strata"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "layerstore.cli"]
+
+
+def run(args: list[str], env: dict[str, str] | None = None, *, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "AWS_"))}
+    full_env["HOME"] = str(Path(tempfile.gettempdir()) / "strata-test-home")  # no user config file leaks in
+    full_env.update(env or {})
+    return subprocess.run(strata_cmd() + args, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_server() -> Iterator[str]:
+    """moto's S3 over real HTTP (a subprocess can't share the in-process mock)."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="cli-tests")
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture(params=["local", "moto", "seaweedfs"])
+def store_env(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str]:
+    """Environment selecting a fresh store of each kind via STRATA_STORE."""
+    state = {"STRATA_STATE_DIR": str(tmp_path / "state")}
+    if request.param == "local":
+        return {**state, "STRATA_STORE": str(tmp_path / "store")}
+    prefix = f"s3://cli-tests/{tmp_path.name[-20:]}"
+    if request.param == "moto":
+        endpoint = request.getfixturevalue("moto_server")
+        return {**state, "STRATA_STORE": prefix, "STRATA_S3_ENDPOINT": endpoint,
+                "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    server = request.getfixturevalue("seaweed")
+    server.create_bucket("cli-tests") if "cli-tests" not in _buckets(server) else None
+    return {**state, **seaweed_env(server), "STRATA_STORE": prefix}
+
+
+def _buckets(server) -> set[str]:
+    return {b["Name"] for b in server.client().list_buckets().get("Buckets", [])}
+
+
+def test_roundtrip_all_backends(store_env: dict[str, str], tmp_path: Path) -> None:
+    content = write_image(tmp_path / "disk.img", "rzpprd", tail=777)
+    r = run(["image", "import", str(tmp_path / "disk.img"), "demo:v1", "--json"], store_env)
+    assert r.returncode == 0, r.stderr
+    imported = json.loads(r.stdout)
+    assert imported["ref"] == "demo:v1" and imported["size"] == len(content) and imported["new_chunks"] == 5
+
+    r = run(["image", "ls", "--json"], store_env)
+    assert r.returncode == 0, r.stderr
+    assert [row["ref"] for row in json.loads(r.stdout)] == ["demo:v1"]
+
+    r = run(["image", "inspect", "demo:v1", "--json"], store_env)
+    info = json.loads(r.stdout)
+    assert info["manifest"] == imported["manifest"] and info["data_chunks"] == 6 and info["unique_chunks"] == 5
+    assert 0 < info["stored_bytes"] < info["logical_bytes"] and info["dedup_ratio"] > 1
+
+    out = tmp_path / "out.img"
+    r = run(["image", "export", "demo:v1", str(out), "--json"], store_env)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == content
+
+    r = run(["verify", "--json"], store_env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] is True
+
+    r = run(["image", "import", str(tmp_path / "disk.img"), "demo:v2", "--json"], store_env)
+    assert json.loads(r.stdout)["new_chunks"] == 0
+
+    r = run(["image", "rm", "demo:v1"], store_env)
+    assert r.returncode == 0, r.stderr
+    r = run(["image", "ls", "--json"], store_env)
+    assert [row["ref"] for row in json.loads(r.stdout)] == ["demo:v2"]
+
+
+def test_text_output_is_human(tmp_path: Path) -> None:
+    env = {"STRATA_STORE": str(tmp_path / "s")}
+    write_image(tmp_path / "a.img", "rp")
+    r = run(["image", "import", str(tmp_path / "a.img"), "a:1"], env)
+    assert r.returncode == 0 and "imported" in r.stdout and "MB/s" in r.stdout
+    r = run(["image", "inspect", "a:1"], env)
+    assert "dedup ratio" in r.stdout and "stored bytes" in r.stdout
+    r = run(["image", "ls"], env)
+    assert "a:1" in r.stdout
+
+
+def _one_line_error(r: subprocess.CompletedProcess, code: int, needle: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("strata: error:") and needle in lines[0], lines[0]
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and "catalog" not in p.parts}
+
+
+def test_bad_input_one_line_and_store_unchanged(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    env = {"STRATA_STORE": str(store)}
+    write_image(tmp_path / "a.img", "rp")
+    assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], env).returncode == 0
+    before = _snapshot(store)
+    cases = [
+        (["image", "import", str(tmp_path / "nope.img"), "a:2"], "no such file"),
+        (["image", "import", str(tmp_path), "a:2"], "directory"),
+        (["image", "import", str(tmp_path / "a.img"), "../evil:x"], "invalid image name"),
+        (["image", "import", str(tmp_path / "a.img"), "a/b:x"], "invalid image name"),
+        (["image", "import", str(tmp_path / "a.img"), "a:x/y"], "invalid image tag"),
+        (["image", "import", str(tmp_path / "a.img"), "a:.."], "invalid image tag"),
+        (["image", "export", "missing:v1", str(tmp_path / "o")], "not found"),
+        (["image", "inspect", "missing:v1"], "not found"),
+        (["image", "rm", "missing:v1"], "not found"),
+        (["image", "export", "a:1", str(tmp_path / "nodir" / "o")], "no such directory"),
+    ]
+    for args, needle in cases:
+        _one_line_error(run(args, env), 1, needle)
+    assert _snapshot(store) == before
+
+
+def test_bad_chunk_size_is_usage_error(tmp_path: Path) -> None:
+    r = run(["image", "import", "x", "a:1", "--chunk-size", "12abc"], {"STRATA_STORE": str(tmp_path / "s")})
+    assert r.returncode == 2 and "invalid size" in r.stderr
+    write_image(tmp_path / "a.img", "r")
+    r = run(["image", "import", str(tmp_path / "a.img"), "a:1", "--chunk-size", "3M"], {"STRATA_STORE": str(tmp_path / "s")})
+    _one_line_error(r, 1, "power of two")
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    img = tmp_path / "secret.img"
+    write_image(img, "r")
+    os.chmod(img, 0o000)
+    store = tmp_path / "store"
+    args = ["image", "import", str(img), "a:1"]
+    if os.geteuid() == 0:  # root reads anything: run without the capabilities that bypass file modes
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *strata_cmd(), *args]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "AWS_"))}
+        r = subprocess.run(cmd, env={**env, "STRATA_STORE": str(store)}, capture_output=True, text=True, timeout=60)
+    else:
+        r = run(args, {"STRATA_STORE": str(store)})
+    _one_line_error(r, 1, "permission denied")
+    assert list((store / "objects").rglob("*")) == []
+
+
+def test_corrupt_chunk_fails_export_and_verify(tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    env = {"STRATA_STORE": str(store)}
+    write_image(tmp_path / "a.img", "rr")
+    assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], env).returncode == 0
+    victim = sorted((store / "objects" / "chunks").rglob("*"))[-1]
+    victim.write_bytes(victim.read_bytes()[:-10])  # truncated object
+    _one_line_error(run(["image", "export", "a:1", str(tmp_path / "o")], env), 1, victim.name)
+    assert not (tmp_path / "o").exists()
+    r = run(["verify"], env)
+    assert r.returncode == 3 and victim.name in r.stdout and "FAILED" in r.stdout
+
+
+def test_unreachable_s3_endpoint(tmp_path: Path) -> None:
+    env = {"STRATA_STORE": "s3://bucket/x", "STRATA_S3_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+           "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b", "STRATA_STATE_DIR": str(tmp_path)}
+    _one_line_error(run(["image", "ls"], env, timeout=60), 1, "cannot reach")
+
+
+def test_missing_bucket_and_bad_url(moto_server: str, tmp_path: Path) -> None:
+    env = {"STRATA_STORE": "s3://no-such-bucket/x", "STRATA_S3_ENDPOINT": moto_server,
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "STRATA_STATE_DIR": str(tmp_path)}
+    _one_line_error(run(["image", "ls"], env), 1, "does not exist")
+    _one_line_error(run(["image", "ls"], {"STRATA_STORE": "ftp://x/y"}), 1, "unsupported store URL")
+    _one_line_error(run(["image", "ls"], {}), 1, "no store given")
+
+
+def test_wrong_credentials(seaweed, tmp_path: Path) -> None:
+    env = {**seaweed_env(seaweed), "AWS_SECRET_ACCESS_KEY": "wrong-secret", "STRATA_STORE": "s3://strata-tests/creds",
+           "STRATA_STATE_DIR": str(tmp_path)}
+    _one_line_error(run(["image", "ls"], env), 1, "access denied")
+
+
+def test_config_file_selects_store(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f'store = "{tmp_path / "cfgstore"}"\n')
+    write_image(tmp_path / "a.img", "r")
+    r = run(["image", "import", str(tmp_path / "a.img"), "c:1"], {"STRATA_CONFIG": str(config)})
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "cfgstore" / "objects" / "refs" / "c" / "1").exists()
+    config.write_text('bogus = 1\n')
+    _one_line_error(run(["image", "ls"], {"STRATA_CONFIG": str(config)}), 1, "unknown key")
