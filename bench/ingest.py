@@ -205,6 +205,10 @@ def warm(path: Path) -> float:
 # tools
 # --------------------------------------------------------------------------
 
+ReadSpec = tuple[list[str], Path, "Path | None"]
+"""(command, file it produces, working directory) for reading an image back."""
+
+
 @dataclass
 class Ctx:
     """Inputs shared by all tools in one repeat."""
@@ -235,6 +239,7 @@ class Tool:
         return None if shutil.which(self.binary()) else f"{self.binary()} not found"
 
     def binary(self) -> str:
+        """Executable looked up on PATH (the name by default)."""
         return self.name
 
     def env(self, d: Path) -> dict[str, str]:
@@ -242,6 +247,7 @@ class Tool:
         return {}
 
     def repo(self, d: Path) -> Path:
+        """Directory whose apparent size counts as stored bytes."""
         return d / "repo"
 
     def setup(self, d: Path) -> list[list[str]]:
@@ -249,13 +255,15 @@ class Tool:
         return []
 
     def ingest(self, d: Path, image: Path, tag: str) -> list[str]:
+        """The timed command that stores ``image`` under ``tag``."""
         raise NotImplementedError
 
-    def read(self, d: Path, tag: str, image: Path, out_dir: Path) -> tuple[list[str], Path, Path | None] | None:
-        """(command, file it produces, cwd) to read ``tag`` back, or None."""
+    def read(self, d: Path, tag: str, image: Path, out_dir: Path) -> ReadSpec | None:
+        """How to read ``tag`` back into ``out_dir``, or None if the tool cannot."""
         return None
 
     def version(self) -> str:
+        """First line of ``--version``, recorded so numbers can be traced to releases."""
         try:
             r = subprocess.run([self.binary(), "--version"], capture_output=True, text=True, timeout=30)
             return (r.stdout or r.stderr).strip().splitlines()[0]
@@ -294,7 +302,7 @@ class Strata(Tool):
             return "unknown"
         return f"git {head}{' + uncommitted changes' if dirty else ''}"
 
-    def read(self, d: Path, tag: str, image: Path, out_dir: Path):
+    def read(self, d: Path, tag: str, image: Path, out_dir: Path) -> ReadSpec:
         out = out_dir / f"{tag}.img"
         return ([self.binary(), "--store", str(self.repo(d)), "image", "export",
                  f"bench:{tag}", str(out), "--json"], out, None)
@@ -315,7 +323,7 @@ class Restic(Tool):
         return ["restic", "-r", str(self.repo(d)), "--no-cache", "backup", "-q",
                 "--tag", tag, str(image)]
 
-    def read(self, d: Path, tag: str, image: Path, out_dir: Path):
+    def read(self, d: Path, tag: str, image: Path, out_dir: Path) -> ReadSpec:
         cmd = ["restic", "-r", str(self.repo(d)), "--no-cache", "restore", "latest",
                "--tag", tag, "--target", str(out_dir)]
         return cmd, out_dir / str(image).lstrip("/"), None
@@ -345,7 +353,7 @@ class Borg(Tool):
     def ingest(self, d: Path, image: Path, tag: str) -> list[str]:
         return ["borg", "create", *self.create_opts, f"{self.repo(d)}::{tag}", str(image)]
 
-    def read(self, d: Path, tag: str, image: Path, out_dir: Path):
+    def read(self, d: Path, tag: str, image: Path, out_dir: Path) -> ReadSpec:
         cmd = ["borg", "extract", "--sparse", f"{self.repo(d)}::{tag}"]
         return cmd, out_dir / str(image).lstrip("/"), out_dir
 
@@ -377,7 +385,7 @@ class Casync(Tool):
         r = self.repo(d)
         return ["casync", "make", f"--store={r / 'store.castr'}", str(r / f"{tag}.caibx"), str(image)]
 
-    def read(self, d: Path, tag: str, image: Path, out_dir: Path):
+    def read(self, d: Path, tag: str, image: Path, out_dir: Path) -> ReadSpec:
         r = self.repo(d)
         out = out_dir / f"{tag}.img"
         return (["casync", "extract", f"--store={r / 'store.castr'}", str(r / f"{tag}.caibx"),
@@ -409,6 +417,7 @@ class StepResult:
     stored_bytes: int | None = None
     growth_bytes: int | None = None
     verified: bool | None = None
+    wall_spread: float | None = None  # (max - min) / median of wall_s over repeats
     tool_json: Any = None
 
     @property
@@ -524,6 +533,9 @@ def summarize(results: list[StepResult]) -> dict[tuple[str, str], StepResult]:
             vals = [getattr(r, f) for r in rs if getattr(r, f) is not None]
             if vals:
                 setattr(med, f, statistics.median(vals))
+        walls = [r.wall_s for r in rs if r.wall_s is not None]
+        if len(walls) > 1 and med.wall_s:
+            med.wall_spread = (max(walls) - min(walls)) / med.wall_s
         summary[key] = med
     return summary
 
@@ -568,7 +580,7 @@ def table(summary: dict[tuple[str, str], StepResult], tools: list[str],
           rat: list[dict[str, Any]]) -> str:
     """Aligned plain-text table, one row per (tool, step)."""
     time_ratio = {(r["tool"], r["step"]): r["ratio"] for r in rat if r["metric"] == "time"}
-    head = ["tool", "step", "time s", "MiB/s", "cpu s", "sync s", "peak RSS MiB",
+    head = ["tool", "step", "time s", "spread", "MiB/s", "cpu s", "sync s", "peak RSS MiB",
             "stored MiB", "growth MiB", "stored/logical", "time vs strata"]
     rows = [head]
     for tool in tools:
@@ -582,7 +594,8 @@ def table(summary: dict[tuple[str, str], StepResult], tools: list[str],
             stored_ratio = (r.stored_bytes / r.logical_bytes
                             if r.stored_bytes is not None and r.logical_bytes and step == "ingest_v1" else None)
             tr = time_ratio.get((tool, step))
-            rows.append([tool, step, _fmt(r.wall_s, ".2f"), _fmt(r.mib_s, ".0f"), _fmt(r.cpu_s, ".2f"),
+            spread = "-" if r.wall_spread is None else f"{r.wall_spread * 100:.0f}%"
+            rows.append([tool, step, _fmt(r.wall_s, ".2f"), spread, _fmt(r.mib_s, ".0f"), _fmt(r.cpu_s, ".2f"),
                          _fmt(r.sync_s, ".2f"), _fmt_mib(r.maxrss_bytes), _fmt_mib(r.stored_bytes),
                          _fmt_mib(r.growth_bytes), _fmt(stored_ratio, ".3f"),
                          "-" if tr is None else f"{tr:.2f}x"])
@@ -610,7 +623,8 @@ def ratio_lines(rat: list[dict[str, Any]]) -> list[str]:
         grouped.setdefault((r["tool"], r["metric"]), []).append(f"{r['ratio']:.2f}x {r['step']}")
     labels = {"time": "time  ", "stored": "stored", "rss": "rss   "}
     tools = list(dict.fromkeys(r["tool"] for r in rat))
-    return [f"{tool}/strata {labels[metric]} = {', '.join(grouped[(tool, metric)])}"
+    width = max((len(t) for t in tools), default=0)
+    return [f"{tool + '/strata':<{width + 7}} {labels[metric]} = {', '.join(grouped[(tool, metric)])}"
             for tool in tools for metric in labels if (tool, metric) in grouped]
 
 

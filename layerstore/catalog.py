@@ -70,6 +70,11 @@ class Catalog:
                 if txn.get(key) is None:
                     txn.put(key, _CHUNK.pack(stored, raw, now))
 
+    def has_chunk(self, digest: str) -> bool:
+        """True if this node recorded the chunk as stored (a hint, not proof)."""
+        with self.env.begin(db=self._chunks) as txn:
+            return txn.get(bytes.fromhex(digest)) is not None
+
     def chunk_sizes(self, digests: Iterable[str]) -> dict[str, tuple[int, int]]:
         """(stored, raw) sizes for the digests the catalog knows."""
         out: dict[str, tuple[int, int]] = {}

@@ -20,13 +20,15 @@ import os
 import stat
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import blake3
+import zstandard
+
 from .chunk import DEFAULT_CHUNK_SIZE
-from .digest import digest_bytes
 from .errors import InvalidInput
 from .manifest import Layer, check_chunk_size
 from .refs import Ref, parse_ref
@@ -138,37 +140,62 @@ def import_image(
         indices = list(data_chunks(fd, size, chunk_size))
         if on_total:
             on_total(sum(min(chunk_size, size - i * chunk_size) for i in indices))
+        level = store.level if level is None else level
         zero = bytes(chunk_size)
+        local = threading.local()
         chunk_digests: dict[int, str] = {}
         seen: set[str] = set()
         errors: list[BaseException] = []
         stats_lock = threading.Lock()
         inflight = threading.BoundedSemaphore(upload_concurrency * 2)
+        uploaded: list[tuple[str, int, int]] = []
 
-        def read_hash(index: int) -> tuple[int, bytes | None, str | None]:
+        def compressor() -> zstandard.ZstdCompressor:
+            cctx = getattr(local, "cctx", None)
+            if cctx is None:
+                cctx = local.cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+            return cctx
+
+        def read(index: int, buf: bytearray) -> memoryview:
             try:
-                data = os.pread(fd, chunk_size, index * chunk_size)
+                n = os.preadv(fd, [buf], index * chunk_size)
             except OSError as exc:
                 raise InvalidInput(f"{path}: read error at offset {index * chunk_size} ({exc.strerror})") from None
-            if data == zero or (len(data) < chunk_size and data.count(0) == len(data)):
-                return index, None, None
-            return index, data, digest_bytes(data)
+            expected = min(chunk_size, size - index * chunk_size)
+            if n != expected:
+                raise InvalidInput(f"{path}: changed while importing (short read at offset {index * chunk_size})")
+            return memoryview(buf)[:n]
 
-        def upload(digest: str, data: bytes) -> None:
+        def read_hash(index: int) -> tuple[int, str | None, bytes | None, int]:
+            # Reads into a per-thread buffer (no 1 MiB allocation per chunk) and
+            # compresses right away unless this node already stored the chunk:
+            # then only the (smaller) compressed object waits for the batch check.
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = bytearray(chunk_size)
+            view = read(index, buf)
+            n = len(view)
+            if (buf == zero) if n == chunk_size else (bytes(view) == zero[:n]):
+                return index, None, None, n
+            digest = blake3.blake3(view).hexdigest()
+            blob = None if store.catalog.has_chunk(digest) else compressor().compress(view)
+            return index, digest, blob, n
+
+        def upload(digest: str, index: int, blob: bytes | None, raw: int) -> None:
             try:
-                stored = store.write_chunk(digest, data, level=level)
+                if blob is None:  # the catalog thought the store had it; it does not
+                    blob = compressor().compress(read(index, bytearray(chunk_size)))
+                store.put_chunk_object(digest, blob)
                 with stats_lock:
                     result.new_chunks += 1
-                    result.new_raw_bytes += len(data)
-                    result.new_stored_bytes += stored
-                    uploaded.append((digest, stored, len(data)))
+                    result.new_raw_bytes += raw
+                    result.new_stored_bytes += len(blob)
+                    uploaded.append((digest, len(blob), raw))
             except BaseException as exc:  # surfaced after the pool drains
                 errors.append(exc)
             finally:
                 inflight.release()
 
-        uploaded: list[tuple[str, int, int]] = []
-        futures: list[Future[None]] = []
         with ThreadPoolExecutor(workers, thread_name_prefix="strata-hash") as hash_pool, ThreadPoolExecutor(
             upload_concurrency, thread_name_prefix="strata-put"
         ) as put_pool:
@@ -176,20 +203,19 @@ def import_image(
                 if errors:
                     break
                 batch = list(hash_pool.map(read_hash, indices[start : start + window]))
-                fresh: dict[str, bytes] = {}
-                for index, data, digest in batch:
-                    length = min(chunk_size, size - index * chunk_size)
-                    result.read_bytes += length
+                fresh: dict[str, tuple[int, bytes | None, int]] = {}
+                for index, digest, blob, n in batch:
+                    result.read_bytes += n
                     if digest is None:
                         continue
                     chunk_digests[index] = digest
                     if digest not in seen:
                         seen.add(digest)
-                        fresh[digest] = data  # type: ignore[assignment]
+                        fresh[digest] = (index, blob, n)
                 missing = store.missing_chunks(fresh) if fresh else set()
                 for digest in missing:
                     inflight.acquire()
-                    futures.append(put_pool.submit(upload, digest, fresh[digest]))
+                    put_pool.submit(upload, digest, *fresh[digest])
                 del fresh, batch
                 if progress:
                     progress(sum(min(chunk_size, size - i * chunk_size) for i in indices[start : start + window]))

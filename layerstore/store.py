@@ -77,6 +77,10 @@ class Store:
         self.backend.put(chunk_key(digest), blob)
         return len(blob)
 
+    def put_chunk_object(self, digest: str, blob: bytes) -> None:
+        """Store an already-encoded chunk object (see chunk.encode_chunk)."""
+        self.backend.put(chunk_key(digest), blob)
+
     def missing_chunks(self, digests: Iterable[str]) -> set[str]:
         """The digests among `digests` whose objects the backend lacks (one batch)."""
         wanted = {chunk_key(d): d for d in digests}
