@@ -35,7 +35,6 @@ from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataE
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
 from .refs import Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
-from .s3 import S3Backend, S3Config
 
 DEFAULT_STATE_DIR = "~/.local/state/strata"
 
@@ -294,6 +293,8 @@ def open_store(
     if not spec:
         raise InvalidInput("no store given: pass --store PATH|s3://BUCKET/PREFIX or set STRATA_STORE")
     if spec.startswith("s3://"):
+        from .s3 import S3Backend, S3Config  # boto3 costs ~0.2 s to import: only when needed
+
         config = S3Config.from_url(spec, env)
         inner = backend or S3Backend(config)
         if isinstance(inner, S3Backend):

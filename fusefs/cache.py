@@ -1,0 +1,328 @@
+"""The node's on-disk chunk cache: bounded, LRU, pinnable, restart-safe.
+
+Layout of a cache directory (`strata mount --cache-dir D`):
+
+    D/chunks/<aa>/<digest>   the chunk's *uncompressed* bytes, so a warm read
+                             is one pread, no zstd on the hot path
+    D/tmp/                   temp files of in-flight inserts
+    D/index/                 LMDB: sub-database "entries"
+                               digest (32 raw bytes) -> <Qd: bytes, last access (unix s)
+
+Rules, each tested in tests/fusefs/test_cache.py:
+- The byte total never exceeds `capacity`. Space is reserved (evicting first)
+  before a file is written; an insert that cannot get space is skipped (the
+  caller still has the verified bytes and serves them), never an overrun.
+- Eviction is LRU. Above the high watermark (default 90%) it evicts down to
+  the low watermark (80%) so eviction happens in batches, not per insert.
+- Pinned chunks (the chunks of images a running sandbox has open) are evicted
+  only when no unpinned chunk is left to evict.
+- Entries are written to tmp/ then renamed, so a file under chunks/ is whole.
+  Still, after a restart every entry is re-hashed on its first use (a disk
+  can lose unsynced data in a crash); a mismatch drops the entry and counts a
+  miss, so a torn entry is refetched, never served.
+- The index survives restarts: a restarted daemon keeps what it had, in LRU
+  order. Entries whose files vanished are dropped; stray files are removed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Hashable, Iterable
+
+import blake3
+import lmdb
+
+from layerstore.digest import check_digest
+
+_ENTRY = struct.Struct("<Qd")
+
+
+@dataclass
+class CacheStats:
+    capacity: int = 0
+    size: int = 0
+    entries: int = 0
+    pinned: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_fetched: int = 0
+    insertions: int = 0
+    evictions: int = 0
+    bytes_evicted: int = 0
+    skipped_inserts: int = 0
+    torn_entries: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class ChunkCache:
+    """Bounded on-disk cache of verified, uncompressed chunks."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        capacity: int,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.8,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError("cache capacity must be positive")
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
+        self.root = Path(root)
+        self.capacity = capacity
+        self._high = int(capacity * high_watermark)
+        self._low = int(capacity * low_watermark)
+        self._chunks = self.root / "chunks"
+        self._tmp = self.root / "tmp"
+        self._chunks.mkdir(parents=True, exist_ok=True)
+        self._tmp.mkdir(exist_ok=True)
+        for stale in self._tmp.iterdir():
+            stale.unlink(missing_ok=True)
+        self._env = lmdb.open(str(self.root / "index"), map_size=1 << 30, max_dbs=4, subdir=True)
+        self._db = self._env.open_db(b"entries")
+        self._lock = threading.Lock()
+        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._verified: set[str] = set()
+        self._pins: dict[Hashable, set[str]] = {}
+        self._pin_count: collections.Counter[str] = collections.Counter()
+        self._reserved = 0
+        self._touched: dict[str, float] = {}
+        self.stats = CacheStats(capacity=capacity)
+        self._load()
+
+    # setup ------------------------------------------------------------------
+    def _path(self, digest: str) -> Path:
+        return self._chunks / digest[:2] / digest
+
+    def _load(self) -> None:
+        """Rebuild the in-memory LRU from the index, reconciling with the files."""
+        entries: list[tuple[float, str, int]] = []
+        gone: list[bytes] = []
+        with self._env.begin(db=self._db) as txn:
+            for key, value in txn.cursor():
+                digest = bytes(key).hex()
+                size, atime = _ENTRY.unpack(value)
+                try:
+                    actual = os.stat(self._path(digest)).st_size
+                except FileNotFoundError:
+                    gone.append(bytes(key))
+                    continue
+                if actual != size:
+                    gone.append(bytes(key))
+                    self._path(digest).unlink(missing_ok=True)
+                    continue
+                entries.append((atime, digest, size))
+        known = {d for _a, d, _s in entries}
+        for sub in self._chunks.iterdir():
+            for f in sub.iterdir():
+                if f.name not in known:
+                    f.unlink(missing_ok=True)
+        if gone:
+            with self._env.begin(write=True, db=self._db) as txn:
+                for key in gone:
+                    txn.delete(key)
+        for _atime, digest, size in sorted(entries):
+            self._lru[digest] = size
+        self.stats.size = sum(self._lru.values())
+        self.stats.entries = len(self._lru)
+        if self.stats.size > self.capacity:  # capacity lowered since last run
+            with self._lock:
+                self._evict_locked(self.stats.size - self._low)
+
+    # reads ------------------------------------------------------------------
+    def _verify_once(self, digest: str, path: Path) -> bool:
+        if digest in self._verified:
+            return True
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return False
+        if blake3.blake3(data).hexdigest() != digest:
+            return False
+        with self._lock:
+            self._verified.add(digest)
+        return True
+
+    def _drop_torn(self, digest: str) -> None:
+        with self._lock:
+            size = self._lru.pop(digest, None)
+            if size is not None:
+                self.stats.size -= size
+                self.stats.entries -= 1
+                self.stats.torn_entries += 1
+        self._path(digest).unlink(missing_ok=True)
+        with self._env.begin(write=True, db=self._db) as txn:
+            txn.delete(bytes.fromhex(digest))
+
+    def _touch(self, digest: str) -> bool:
+        with self._lock:
+            if digest not in self._lru:
+                self.stats.misses += 1
+                return False
+            self._lru.move_to_end(digest)
+            self._touched[digest] = time.time()
+            return True
+
+    def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes | None:
+        """Bytes [offset, offset+length) of a cached chunk (all if length < 0), or None on a miss."""
+        if not self._touch(digest):
+            return None
+        path = self._path(digest)
+        if not self._verify_once(digest, path):
+            self._drop_torn(digest)
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if length < 0:
+                    data = f.read()
+                else:
+                    data = os.pread(f.fileno(), length, offset)
+        except FileNotFoundError:  # evicted between touch and open
+            with self._lock:
+                self.stats.misses += 1
+            return None
+        with self._lock:
+            self.stats.hits += 1
+        return data
+
+    def contains(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._lru
+
+    # writes -----------------------------------------------------------------
+    def put(self, digest: str, data: bytes) -> bool:
+        """Insert verified chunk bytes; False if no space could be made (all pinned)."""
+        check_digest(digest, what="chunk digest")
+        size = len(data)
+        with self._lock:
+            if digest in self._lru:
+                return True
+            if size > self.capacity or not self._make_room_locked(size):
+                self.stats.skipped_inserts += 1
+                return False
+            self._reserved += size
+        path = self._path(digest)
+        tmp = self._tmp / f"{digest}.{uuid.uuid4().hex[:8]}"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb", buffering=0) as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._reserved -= size
+                self.stats.skipped_inserts += 1
+            return False
+        now = time.time()
+        with self._env.begin(write=True, db=self._db) as txn:
+            txn.put(bytes.fromhex(digest), _ENTRY.pack(size, now))
+        with self._lock:
+            self._reserved -= size
+            self._lru[digest] = size
+            self._verified.add(digest)
+            self.stats.size += size
+            self.stats.entries += 1
+            self.stats.insertions += 1
+            self.stats.bytes_fetched += size
+            if self.stats.size + self._reserved > self._high:
+                self._evict_locked(self.stats.size + self._reserved - self._low)
+        return True
+
+    def _make_room_locked(self, size: int) -> bool:
+        over = self.stats.size + self._reserved + size - self.capacity
+        if over <= 0:
+            return True
+        target = max(over, self.stats.size + self._reserved + size - self._low)
+        freed = self._evict_locked(target)
+        return freed >= over
+
+    def _evict_locked(self, want: int) -> int:
+        """Evict at least `want` bytes if possible: unpinned LRU first, pinned last."""
+        victims: list[str] = []
+        freed = 0
+        for pinned_pass in (False, True):
+            for digest, size in self._lru.items():
+                if freed >= want:
+                    break
+                if (self._pin_count[digest] > 0) == pinned_pass:
+                    victims.append(digest)
+                    freed += size
+        return self._remove_locked(victims)
+
+    def _remove_locked(self, victims: list[str]) -> int:
+        freed = 0
+        for digest in victims:
+            size = self._lru.pop(digest)
+            self._path(digest).unlink(missing_ok=True)
+            self._verified.discard(digest)
+            self._touched.pop(digest, None)
+            self.stats.size -= size
+            self.stats.entries -= 1
+            self.stats.evictions += 1
+            self.stats.bytes_evicted += size
+            freed += size
+        if victims:
+            with self._env.begin(write=True, db=self._db) as txn:
+                for digest in victims:
+                    txn.delete(bytes.fromhex(digest))
+        return freed
+
+    def drop(self, digests: Iterable[str] | None = None) -> int:
+        """Evict the given chunks (or every unpinned one); returns bytes freed."""
+        with self._lock:
+            if digests is None:
+                victims = [d for d in self._lru if self._pin_count[d] == 0]
+            else:
+                victims = [d for d in dict.fromkeys(digests) if d in self._lru]
+            return self._remove_locked(victims)
+
+    # pins -------------------------------------------------------------------
+    def pin(self, owner: Hashable, digests: Iterable[str]) -> None:
+        """Prefer to keep `digests` while `owner` (e.g. an open file) holds them."""
+        new = set(digests)
+        with self._lock:
+            old = self._pins.get(owner, set())
+            self._pin_count.update(new - old)
+            self._pins[owner] = old | new
+            self.stats.pinned = sum(1 for d in self._lru if self._pin_count[d] > 0)
+
+    def unpin(self, owner: Hashable) -> None:
+        with self._lock:
+            for digest in self._pins.pop(owner, set()):
+                self._pin_count[digest] -= 1
+                if self._pin_count[digest] <= 0:
+                    del self._pin_count[digest]
+            self.stats.pinned = sum(1 for d in self._lru if self._pin_count[d] > 0)
+
+    # lifecycle --------------------------------------------------------------
+    def snapshot_stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.stats.as_dict()
+
+    def flush(self) -> None:
+        """Persist access times so LRU order survives a restart."""
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            sizes = {d: self._lru[d] for d in touched if d in self._lru}
+        if not sizes:
+            return
+        with self._env.begin(write=True, db=self._db) as txn:
+            for digest, size in sizes.items():
+                txn.put(bytes.fromhex(digest), _ENTRY.pack(size, touched[digest]))
+
+    def close(self) -> None:
+        self.flush()
+        self._env.close()

@@ -1,0 +1,56 @@
+"""A read-only byte view over a resolved layer stack.
+
+Mounting reads only manifests: a `LayerView` holds the flattened
+index -> digest map and fetches chunk bytes only when a read touches them.
+Holes read as zeros without any fetch. Reads never go past the image size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .fetch import ChunkFetcher
+
+
+@dataclass
+class LayerView:
+    """Lazily readable image: `size` bytes in `chunk_size` pieces, `chunks` maps index -> digest."""
+
+    fetcher: ChunkFetcher
+    manifest_id: str
+    size: int
+    chunk_size: int
+    chunks: dict[int, str]
+    _zero: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._zero = bytes(self.chunk_size)
+
+    def chunk_range(self, offset: int, length: int) -> range:
+        """Indices of chunks covering [offset, offset+length) within the image."""
+        end = min(self.size, offset + length)
+        if offset >= end:
+            return range(0)
+        return range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length), clamped to the image size."""
+        end = min(self.size, offset + length)
+        if offset < 0 or offset >= end:
+            return b""
+        cs = self.chunk_size
+        parts: list[bytes] = []
+        pos = offset
+        while pos < end:
+            index, inner = divmod(pos, cs)
+            n = min(cs - inner, end - pos)
+            digest = self.chunks.get(index)
+            if digest is None:
+                parts.append(self._zero[:n])
+            else:
+                parts.append(self.fetcher.read(digest, inner, n))
+            pos += n
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def digests(self) -> set[str]:
+        return set(self.chunks.values())
