@@ -40,8 +40,13 @@ venv_install() {
         "$python" -m venv .venv
     fi
     log "installing Strata and its test dependencies into .venv"
-    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-    .venv/bin/python -m pip install -q -e ".[test]"
+    # pip's build chatter goes to a log, shown only if the install fails
+    if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e ".[test]"; } \
+            > .venv/pip-install.log 2>&1; then
+        cat .venv/pip-install.log >&2
+        echo "setup: pip install failed (log above, also in .venv/pip-install.log)" >&2
+        exit 1
+    fi
     [ -x .venv/bin/strata ] || { echo "setup: .venv/bin/strata missing after install" >&2; exit 1; }
 }
 

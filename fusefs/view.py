@@ -22,6 +22,8 @@ class LayerView:
     chunk_size: int
     chunks: dict[int, str]
     _zero: bytes = field(init=False, repr=False)
+    # chunk indices in first-read order: what `strata image record-prefetch` saves
+    touched: dict[int, None] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._zero = bytes(self.chunk_size)
@@ -48,6 +50,8 @@ class LayerView:
             if digest is None:
                 parts.append(self._zero[:n])
             else:
+                if index not in self.touched:
+                    self.touched[index] = None
                 parts.append(self.fetcher.read(digest, inner, n))
             pos += n
         return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -37,6 +37,7 @@ from .store import Store, inspect_image, open_store
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PROBLEMS = 3
+EXTENSIONS = ("fusefs.cli",)
 
 
 def parse_size(text: str) -> int:
@@ -296,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = nouns.add_parser("verify", parents=[common], help="re-hash every chunk; report corrupt or missing ones")
     p.add_argument("--workers", type=int, default=None)
     p.set_defaults(func=cmd_verify)
+
+    # The other packages add their nouns (mount, cache, layer, ...) here.
+    import importlib
+
+    for module in EXTENSIONS:
+        importlib.import_module(module).register(nouns, {"image": verbs}, common)
     return parser
 
 

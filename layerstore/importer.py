@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import blake3
 import zstandard
@@ -112,6 +112,7 @@ def import_image(
     workers: int | None = None,
     upload_concurrency: int | None = None,
     window: int | None = None,
+    slots: Iterable[int] | None = None,
     progress: Progress | None = None,
     on_total: Callable[[int], None] | None = None,
 ) -> ImportResult:
@@ -119,7 +120,10 @@ def import_image(
 
     `parent` (a manifest id) makes the new layer hold only the chunks that
     differ from the parent stack, with whiteouts where the parent had data and
-    the image now has zeros. `progress` is called with bytes advanced;
+    the image now has zeros. `slots` (with `parent`) instead names exactly
+    the chunk indices the new layer holds, e.g. the dirty chunks of a sealed
+    sandbox layer: each is stored (or whited out if all zeros) and every
+    other index inherits from the parent. `progress` is called with bytes advanced;
     `on_total` once with the total number of bytes that will be read.
     """
     started = time.monotonic()
@@ -137,7 +141,13 @@ def import_image(
     window = window or max(32, workers * 8)
     result = ImportResult(manifest_id="", ref=str(target) if target else None, size=size, chunk_size=chunk_size, parent=parent)
     try:
-        indices = list(data_chunks(fd, size, chunk_size))
+        if slots is not None:
+            if parent is None:
+                raise InvalidInput("slots need a parent layer")
+            count = -(-size // chunk_size)
+            indices = sorted({i for i in slots if 0 <= i < count})
+        else:
+            indices = list(data_chunks(fd, size, chunk_size))
         if on_total:
             on_total(sum(min(chunk_size, size - i * chunk_size) for i in indices))
         level = store.level if level is None else level
@@ -228,6 +238,9 @@ def import_image(
         layer_chunks: dict[int, str | None]
         if parent is None:
             layer_chunks = dict(chunk_digests)
+        elif slots is not None:
+            layer_chunks = {i: chunk_digests.get(i) for i in indices}
+            layer_chunks = {i: d for i, d in layer_chunks.items() if d is not None or i in parent_map}
         else:
             count = -(-size // chunk_size)
             layer_chunks = {i: d for i, d in chunk_digests.items() if parent_map.get(i) != d}

@@ -1,0 +1,414 @@
+"""The mount daemon: wires store, cache, fetcher, sandboxes and FUSE together,
+and answers a small control socket for the CLI (and later the VMM and API).
+
+`strata mount MOUNTPOINT` starts `python -m fusefs.daemon` in its own session,
+waits until the mount is serving (or prints the daemon's error), and returns.
+`strata umount`, SIGTERM or SIGINT unmount cleanly: the FUSE loop stops,
+sandboxes are fsynced, the cache index is flushed, the socket is removed.
+
+Control protocol: one JSON object per line over a unix socket at
+`control_socket(mountpoint)`; every reply is `{"ok": true, ...}` or
+`{"ok": false, "error": "<one line>"}`. Operations: ping, stats,
+sandbox_create {sid, image | manifest}, sandbox_list, sandbox_remove {sid},
+seal {sid, wait}, record_prefetch {image}, cache_drop, shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import pyfuse3
+import trio
+
+from layerstore.errors import InvalidInput, NotFound, StrataError
+from layerstore.importer import import_image
+from layerstore.refs import Ref, parse_ref
+from layerstore.store import Store, open_store, state_dir
+
+from .cache import ChunkCache
+from .fetch import ChunkFetcher
+from .fs import StrataFS
+from .upper import SealTicket, UpperLayer, check_sid
+from .view import LayerView
+
+log = logging.getLogger("strata.fusefs")
+PREFETCH_PREFIX = "prefetch/"
+
+
+def run_dir(env: dict[str, str] | None = None) -> Path:
+    """Where control sockets live (STRATA_RUN_DIR, else /run/strata as root)."""
+    env = dict(os.environ if env is None else env)
+    if env.get("STRATA_RUN_DIR"):
+        return Path(env["STRATA_RUN_DIR"])
+    if os.geteuid() == 0:
+        return Path("/run/strata")
+    return Path(env.get("XDG_RUNTIME_DIR") or f"/tmp/strata-{os.getuid()}") / "strata"
+
+
+def control_socket(mountpoint: str | os.PathLike[str], env: dict[str, str] | None = None) -> Path:
+    """The control socket of the daemon serving `mountpoint` (by its real path)."""
+    real = os.path.realpath(mountpoint)
+    return run_dir(env) / f"mount-{hashlib.blake2b(real.encode(), digest_size=8).hexdigest()}.sock"
+
+
+class Catalogue:
+    """Everything the filesystem serves: image views, sandboxes, prefetch."""
+
+    def __init__(self, store: Store, cache: ChunkCache, upper_root: Path, *, prefetch_workers: int = 4) -> None:
+        self.store = store
+        self.cache = cache
+        self.fetcher = ChunkFetcher(store, cache)
+        self.upper_root = upper_root
+        self.upper_root.mkdir(parents=True, exist_ok=True)
+        self.sandboxes: dict[str, UpperLayer] = {}
+        self.fs: StrataFS | None = None
+        self._views: dict[str, LayerView] = {}
+        self._lock = threading.Lock()
+        self._prefetch = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="strata-prefetch")
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="strata-seal")
+        self._prefetched: set[str] = set()
+        self.seals: dict[str, SealTicket] = {}
+
+    # views ------------------------------------------------------------------
+    def view_for_manifest(self, manifest_id: str) -> LayerView:
+        with self._lock:
+            view = self._views.get(manifest_id)
+        if view is not None:
+            return view
+        top, resolved = self.store.chunk_map(manifest_id)
+        view = LayerView(self.fetcher, manifest_id, top.size, top.chunk_size, resolved)
+        with self._lock:
+            return self._views.setdefault(manifest_id, view)
+
+    def view_for_ref(self, ref: Ref) -> LayerView:
+        return self.view_for_manifest(self.store.resolve(ref))
+
+    def list_refs(self) -> list[Ref]:
+        return [ref for ref, _m, _u in self.store.list_refs()]
+
+    # prefetch ---------------------------------------------------------------
+    def schedule_prefetch(self, digest: str) -> None:
+        try:
+            self._prefetch.submit(self.fetcher.prefetch, digest)
+        except RuntimeError:  # shutting down
+            pass
+
+    def start_prefetch(self, view: LayerView) -> None:
+        """Fetch an image's recorded working set in the background, once per daemon."""
+        with self._lock:
+            if view.manifest_id in self._prefetched:
+                return
+            self._prefetched.add(view.manifest_id)
+        try:
+            blob = self.store.backend.get(PREFETCH_PREFIX + view.manifest_id)
+            indices = [int(i) for i in json.loads(blob)]
+        except (NotFound, ValueError, TypeError):
+            return
+        except StrataError as exc:
+            log.warning("prefetch list of %s unreadable: %s", view.manifest_id, exc)
+            return
+        for index in indices:
+            digest = view.chunks.get(index)
+            if digest is not None:
+                self.schedule_prefetch(digest)
+
+    def record_prefetch(self, ref: Ref) -> dict[str, Any]:
+        view = self.view_for_ref(ref)
+        indices = list(view.touched)
+        self.store.backend.put(PREFETCH_PREFIX + view.manifest_id, json.dumps(indices).encode())
+        return {"image": str(ref), "manifest": view.manifest_id, "chunks": len(indices)}
+
+    # sandboxes --------------------------------------------------------------
+    def load_sandboxes(self) -> None:
+        """Re-attach every sandbox found under the upper root (after a restart)."""
+        for root in sorted(self.upper_root.iterdir()):
+            if not root.is_dir():
+                continue
+            try:
+                check_sid(root.name)
+                state = UpperLayer.read_state(root)
+                upper = UpperLayer(root, self.view_for_manifest(str(state["base"])), state, relower=self.view_for_manifest)
+            except StrataError as exc:
+                log.error("sandbox %s not loaded: %s", root.name, exc)
+                continue
+            self._attach(upper)
+            if upper.sealing is not None:
+                self.seals[upper.sid] = upper.resume_seal(self._publish, self._sealer.submit)  # type: ignore[assignment]
+
+    def _attach(self, upper: UpperLayer) -> None:
+        self.sandboxes[upper.sid] = upper
+        if self.fs is not None:
+            self.fs.add_sandbox(upper.sid, upper)
+
+    def create_sandbox(self, sid: str, *, image: str | None = None, manifest: str | None = None) -> UpperLayer:
+        check_sid(sid)
+        if (image is None) == (manifest is None):
+            raise InvalidInput("give exactly one of image or manifest")
+        if sid in self.sandboxes:
+            raise InvalidInput(f"sandbox {sid} already exists")
+        view = self.view_for_ref(parse_ref(image)) if image else self.view_for_manifest(manifest)  # type: ignore[arg-type]
+        upper = UpperLayer.create(self.upper_root / sid, view, relower=self.view_for_manifest)
+        self._attach(upper)
+        return upper
+
+    def remove_sandbox(self, sid: str) -> None:
+        check_sid(sid)
+        upper = self.sandboxes.get(sid)
+        if upper is None:
+            raise NotFound(f"sandbox {sid} not found")
+        if upper.sealing is not None:
+            raise StrataError(f"sandbox {sid}: a seal is still being published; wait for it")
+        if self.fs is not None:
+            self.fs.remove_sandbox(sid)
+        del self.sandboxes[sid]
+        upper.close()
+        shutil.rmtree(upper.root)
+
+    def _publish(self, upper: UpperLayer, data_path: Path, dirty: list[int], base: str) -> str:
+        result = import_image(
+            self.store,
+            data_path,
+            None,
+            chunk_size=upper.chunk_size,
+            parent=base,
+            slots=dirty,
+            annotations={"sandbox": upper.sid},
+        )
+        return result.manifest_id
+
+    def seal(self, sid: str, *, wait: bool = False, timeout: float = 600) -> dict[str, Any]:
+        upper = self.sandboxes.get(check_sid(sid))
+        if upper is None:
+            raise NotFound(f"sandbox {sid} not found")
+        ticket = upper.seal(self._publish, self._sealer.submit)
+        self.seals[sid] = ticket
+        reply: dict[str, Any] = {"sid": sid, "dirty_chunks": ticket.dirty_chunks, "switch_ms": round(ticket.switched_in * 1000, 3)}
+        if wait:
+            reply["manifest"] = ticket.result(timeout)
+        return reply
+
+    def sandbox_info(self, upper: UpperLayer) -> dict[str, Any]:
+        ticket = self.seals.get(upper.sid)
+        seal = None
+        if ticket is not None:
+            if not ticket.future.done():
+                seal = {"state": "publishing"}
+            elif ticket.future.exception() is not None:
+                seal = {"state": "failed", "error": str(ticket.future.exception())}
+            else:
+                seal = {"state": "done", "manifest": ticket.future.result()}
+        return {"sid": upper.sid, "base": upper.base, "size": upper.size, "dirty_chunks": upper.dirty_count(),
+                "layers": list(upper.layers), "last_seal": seal}
+
+    def close(self) -> None:
+        self._sealer.shutdown(wait=True)
+        self._prefetch.shutdown(wait=False, cancel_futures=True)
+        for upper in self.sandboxes.values():
+            try:
+                upper.close()
+            except OSError as exc:
+                log.error("closing sandbox %s: %s", upper.sid, exc)
+        self.cache.close()
+
+
+class _ControlHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        daemon: Daemon = self.server.daemon  # type: ignore[attr-defined]
+        for line in self.rfile:
+            if len(line) > 1 << 16:
+                reply = {"ok": False, "error": "request too large"}
+            else:
+                reply = daemon.handle(line)
+            self.wfile.write(json.dumps(reply).encode() + b"\n")
+            self.wfile.flush()
+
+
+class _ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
+class Daemon:
+    """One mount: the FUSE loop in the main thread, the control server in another."""
+
+    def __init__(self, mountpoint: Path, catalogue: Catalogue, socket_path: Path) -> None:
+        self.mountpoint = mountpoint
+        self.cat = catalogue
+        self.socket_path = socket_path
+        self.fs = StrataFS(catalogue)
+        catalogue.fs = self.fs
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.started = time.time()
+
+    def handle(self, line: bytes) -> dict[str, Any]:
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict) or not isinstance(request.get("op"), str):
+                raise InvalidInput("request must be a JSON object with an 'op'")
+            op = request["op"]
+            handler: Callable[[dict[str, Any]], dict[str, Any]] | None = getattr(self, f"op_{op}", None)
+            if handler is None:
+                raise InvalidInput(f"unknown operation {op!r}")
+            return {"ok": True, **handler(request)}
+        except (ValueError, TypeError) as exc:
+            return {"ok": False, "error": f"malformed request: {exc}"}
+        except StrataError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:  # keep the daemon alive; report the bug
+            log.exception("control request failed")
+            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
+
+    def op_ping(self, _r: dict[str, Any]) -> dict[str, Any]:
+        return {"pid": os.getpid(), "mountpoint": str(self.mountpoint), "store": self.cat.store.describe(),
+                "uptime": round(time.time() - self.started, 3)}
+
+    def op_stats(self, _r: dict[str, Any]) -> dict[str, Any]:
+        return {"cache": self.cat.cache.snapshot_stats(), "fetches": self.cat.fetcher.fetches,
+                "sandboxes": len(self.cat.sandboxes), "open_files": self.fs.open_handles()}
+
+    def op_sandbox_create(self, r: dict[str, Any]) -> dict[str, Any]:
+        upper = self.cat.create_sandbox(str(r.get("sid")), image=r.get("image"), manifest=r.get("manifest"))
+        return {**self.cat.sandbox_info(upper), "path": str(self.mountpoint / "sandboxes" / upper.sid / "disk.img")}
+
+    def op_sandbox_list(self, _r: dict[str, Any]) -> dict[str, Any]:
+        return {"sandboxes": [self.cat.sandbox_info(u) for u in self.cat.sandboxes.values()]}
+
+    def op_sandbox_remove(self, r: dict[str, Any]) -> dict[str, Any]:
+        self.cat.remove_sandbox(str(r.get("sid")))
+        return {"sid": r.get("sid"), "removed": True}
+
+    def op_seal(self, r: dict[str, Any]) -> dict[str, Any]:
+        return self.cat.seal(str(r.get("sid")), wait=bool(r.get("wait")))
+
+    def op_record_prefetch(self, r: dict[str, Any]) -> dict[str, Any]:
+        return self.cat.record_prefetch(parse_ref(str(r.get("image"))))
+
+    def op_cache_drop(self, _r: dict[str, Any]) -> dict[str, Any]:
+        return {"freed": self.cat.cache.drop()}
+
+    def op_shutdown(self, _r: dict[str, Any]) -> dict[str, Any]:
+        if self._token is not None:
+            trio.from_thread.run_sync(pyfuse3.terminate, trio_token=self._token)
+        return {"stopping": True}
+
+    async def _watch_signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for _sig in signals:
+                pyfuse3.terminate()
+                return
+
+    async def _main(self, ready: Callable[[], None]) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            ready()
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
+
+    def run(self, ready: Callable[[], None]) -> None:
+        options = set(pyfuse3.default_options)
+        options.add("fsname=strata")
+        options.add("subtype=strata")
+        if os.geteuid() == 0:
+            options.add("allow_other")  # the VMM may run as another user
+        self.cat.load_sandboxes()
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        server = _ControlServer(str(self.socket_path), _ControlHandler)
+        server.daemon = self  # type: ignore[attr-defined]
+        os.chmod(self.socket_path, 0o600)
+        pyfuse3.init(self.fs, str(self.mountpoint), options)
+        thread = threading.Thread(target=server.serve_forever, name="strata-control", daemon=True)
+        thread.start()
+        try:
+            trio.run(self._main, ready)
+        finally:
+            server.shutdown()
+            server.server_close()
+            self.socket_path.unlink(missing_ok=True)
+            pyfuse3.close(unmount=True)
+            self.fs.shutdown()
+            self.cat.close()
+
+
+def check_mountpoint(mountpoint: Path) -> Path:
+    if not mountpoint.exists():
+        raise InvalidInput(f"mount point {mountpoint} does not exist")
+    if not mountpoint.is_dir():
+        raise InvalidInput(f"mount point {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise InvalidInput(f"{mountpoint} is already a mount point (strata umount it first)")
+    return mountpoint.resolve()
+
+
+def serve(args: argparse.Namespace, ready: Callable[[], None]) -> None:
+    """Run a daemon in this process until unmounted."""
+    mountpoint = check_mountpoint(Path(args.mountpoint))
+    sock = control_socket(mountpoint)
+    if sock.exists():
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sock))
+            raise InvalidInput(f"a Strata daemon already serves {mountpoint}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.unlink(missing_ok=True)
+    if not os.path.exists("/dev/fuse"):
+        raise StrataError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
+    store = open_store(args.store)
+    cache = ChunkCache(Path(args.cache_dir), capacity=args.cache_size)
+    upper_root = Path(args.upper_dir) if args.upper_dir else state_dir() / "uppers"
+    cat = Catalogue(store, cache, upper_root)
+    Daemon(mountpoint, cat, sock).run(ready)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the background daemon process (`python -m fusefs.daemon`)."""
+    parser = argparse.ArgumentParser(prog="strata-mountd")
+    parser.add_argument("mountpoint")
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--cache-dir", required=True)
+    parser.add_argument("--cache-size", type=int, required=True)
+    parser.add_argument("--upper-dir")
+    parser.add_argument("--ready-fd", type=int)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ready_file = os.fdopen(args.ready_fd, "w") if args.ready_fd is not None else None
+
+    def ready() -> None:
+        if ready_file is not None:
+            ready_file.write("ready\n")
+            ready_file.close()
+
+    try:
+        serve(args, ready)
+    except StrataError as exc:
+        log.error("%s", exc)
+        if ready_file is not None and not ready_file.closed:
+            ready_file.write(f"error: {exc}\n")
+            ready_file.close()
+        return 1
+    except Exception as exc:
+        log.exception("daemon failed")
+        if ready_file is not None and not ready_file.closed:
+            ready_file.write(f"error: internal error: {type(exc).__name__}: {exc}\n")
+            ready_file.close()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The FUSE filesystem (pyfuse3 + trio): images, layers and sandbox disks as flat files.
+
+    MOUNT/
+      images/NAME:TAG/disk.img        read-only, lazily fetched
+      layers/<manifest id>/disk.img   any layer stack by id, read-only
+      sandboxes/SID/disk.img          copy-on-write over an image (read-write)
+
+This module only translates FUSE requests into calls on `Node` objects;
+chunk fetching, caching and copy-on-write live in fetch.py, cache.py and
+upper.py. Blocking work (disk, network) runs in worker threads via
+`trio.to_thread`, so one slow fetch never stalls other requests. Errors map
+to errno: unknown names ENOENT, writes to read-only files EROFS (or EACCES
+from the mode bits), corrupt or unreachable chunks EIO (logged with the
+digest), writes past the end EFBIG.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from layerstore.digest import is_digest
+from layerstore.errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
+from layerstore.refs import parse_ref
+
+from .upper import UpperLayer
+from .view import LayerView
+
+log = logging.getLogger("strata.fusefs")
+
+READ_AHEAD_CHUNKS = 4
+
+
+@dataclass
+class Node:
+    inode: int
+    name: str
+    parent: int
+    is_dir: bool
+    view: LayerView | None = None
+    upper: UpperLayer | None = None
+    children: dict[str, int] = field(default_factory=dict)
+    key: str = ""  # e.g. "image:NAME:TAG", "sandbox:SID"
+
+    @property
+    def writable(self) -> bool:
+        return self.upper is not None
+
+    @property
+    def size(self) -> int:
+        if self.upper is not None:
+            return self.upper.size
+        if self.view is not None:
+            return self.view.size
+        return 0
+
+
+@dataclass
+class Handle:
+    node: Node
+    last_end: int = -1
+    pin_owner: object = None
+
+
+class StrataFS(pyfuse3.Operations):
+    """pyfuse3 operations over a `Catalogue` of images and sandboxes (see daemon.py)."""
+
+    enable_writeback_cache = False
+
+    def __init__(self, catalogue: "Catalogue") -> None:  # noqa: F821 - defined in daemon.py
+        super().__init__()
+        self.cat = catalogue
+        self._nodes: dict[int, Node] = {}
+        self._next_inode = itertools.count(pyfuse3.ROOT_INODE + 1)
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = itertools.count(1)
+        self._lock = threading.Lock()
+        self._mtime = time.time_ns()
+        self.readahead = ThreadPoolExecutor(4, thread_name_prefix="strata-readahead")
+        root = Node(pyfuse3.ROOT_INODE, "", pyfuse3.ROOT_INODE, True)
+        self._nodes[root.inode] = root
+        self.images = self._mkdir(root, "images")
+        self.layers = self._mkdir(root, "layers")
+        self.sandboxes = self._mkdir(root, "sandboxes")
+
+    # tree -------------------------------------------------------------------
+    def _mkdir(self, parent: Node, name: str, key: str = "") -> Node:
+        node = Node(next(self._next_inode), name, parent.inode, True, key=key)
+        self._nodes[node.inode] = node
+        parent.children[name] = node.inode
+        return node
+
+    def _mkfile(self, parent: Node, name: str, *, view: LayerView | None = None, upper: UpperLayer | None = None) -> Node:
+        node = Node(next(self._next_inode), name, parent.inode, False, view=view, upper=upper)
+        self._nodes[node.inode] = node
+        parent.children[name] = node.inode
+        return node
+
+    def add_sandbox(self, sid: str, upper: UpperLayer) -> None:
+        with self._lock:
+            if sid in self.sandboxes.children:
+                raise InvalidInput(f"sandbox {sid} is already mounted")
+            d = self._mkdir(self.sandboxes, sid, key=f"sandbox:{sid}")
+            self._mkfile(d, "disk.img", upper=upper)
+
+    def remove_sandbox(self, sid: str) -> None:
+        with self._lock:
+            inode = self.sandboxes.children.get(sid)
+            if inode is None:
+                raise NotFound(f"sandbox {sid} not found")
+            d = self._nodes[inode]
+            for child in d.children.values():
+                if any(h.node.inode == child for h in self._handles.values()):
+                    raise StrataError(f"sandbox {sid} is open; close it (stop its VM) first")
+            for child in d.children.values():
+                self._nodes.pop(child, None)
+            del self.sandboxes.children[sid]
+            self._nodes.pop(inode, None)
+
+    def _image_dir(self, name: str) -> Node | None:
+        """images/NAME:TAG, resolved on demand so new imports appear without a remount."""
+        with self._lock:
+            inode = self.images.children.get(name)
+            if inode is not None:
+                return self._nodes[inode]
+        try:
+            ref = parse_ref(name)
+            if str(ref) != name:
+                return None
+            view = self.cat.view_for_ref(ref)
+        except (InvalidInput, NotFound):
+            return None
+        with self._lock:
+            inode = self.images.children.get(name)
+            if inode is not None:
+                return self._nodes[inode]
+            d = self._mkdir(self.images, name, key=f"image:{name}")
+            self._mkfile(d, "disk.img", view=view)
+            return d
+
+    def _layer_dir(self, manifest_id: str) -> Node | None:
+        with self._lock:
+            inode = self.layers.children.get(manifest_id)
+            if inode is not None:
+                return self._nodes[inode]
+        if not is_digest(manifest_id):
+            return None
+        try:
+            view = self.cat.view_for_manifest(manifest_id)
+        except (NotFound, CorruptObject):
+            return None
+        with self._lock:
+            d = self._mkdir(self.layers, manifest_id, key=f"layer:{manifest_id}")
+            self._mkfile(d, "disk.img", view=view)
+            return d
+
+    def _node(self, inode: int) -> Node:
+        node = self._nodes.get(inode)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return node
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.inode
+        a.generation = 0
+        a.entry_timeout = 1.0 if node.is_dir else 60.0
+        a.attr_timeout = 1.0 if node.is_dir else 60.0
+        if node.is_dir:
+            a.st_mode = stat.S_IFDIR | 0o755
+            a.st_nlink = 2
+            a.st_size = 0
+        else:
+            a.st_mode = stat.S_IFREG | (0o644 if node.writable else 0o444)
+            a.st_nlink = 1
+            a.st_size = node.size
+        a.st_blksize = 1 << 20
+        a.st_blocks = -(-a.st_size // 512)
+        a.st_uid = os.getuid()
+        a.st_gid = os.getgid()
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = self._mtime
+        return a
+
+    # FUSE operations --------------------------------------------------------
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        parent = self._node(parent_inode)
+        text = name.decode("utf-8", "surrogateescape")
+        if text == ".":
+            return self._attrs(parent)
+        if text == "..":
+            return self._attrs(self._node(parent.parent))
+        inode = parent.children.get(text)
+        if inode is None and parent is self.images:
+            d = await trio.to_thread.run_sync(self._image_dir, text)
+            inode = d.inode if d else None
+        elif inode is None and parent is self.layers:
+            d = await trio.to_thread.run_sync(self._layer_dir, text)
+            inode = d.inode if d else None
+        if inode is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._attrs(self._node(inode))
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self._node(inode))
+
+    async def setattr(self, inode, attr, fields, fh, ctx):  # noqa: ANN001, ANN201 - pyfuse3 signature
+        node = self._node(inode)
+        if fields.update_size and attr.st_size != node.size:
+            raise pyfuse3.FUSEError(errno.EPERM)  # disks have a fixed size
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        return self._attrs(node)
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self._node(inode)
+        if not node.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if node is self.images:
+            await trio.to_thread.run_sync(self._refresh_images)
+        return inode
+
+    def _refresh_images(self) -> None:
+        try:
+            names = [str(ref) for ref in self.cat.list_refs()]
+        except StrataError as exc:
+            log.warning("listing images failed: %s", exc)
+            return
+        for name in names:
+            self._image_dir(name)
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        node = self._node(fh)
+        entries = sorted(node.children.items())
+        for i, (name, inode) in enumerate(entries[start_id:], start_id):
+            child = self._nodes.get(inode)
+            if child is None:
+                continue
+            if not pyfuse3.readdir_reply(token, name.encode(), self._attrs(child), i + 1):
+                break
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self._node(inode)
+        if node.is_dir:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        if flags & (os.O_WRONLY | os.O_RDWR) and not node.writable:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if flags & os.O_TRUNC:
+            raise pyfuse3.FUSEError(errno.EPERM)
+        fh = next(self._next_fh)
+        handle = Handle(node)
+        self._handles[fh] = handle
+        view = node.upper.lower if node.upper is not None else node.view
+        if view is not None:
+            handle.pin_owner = ("fh", fh)
+            self.cat.cache.pin(handle.pin_owner, view.digests())
+            self.cat.start_prefetch(view)
+        info = pyfuse3.FileInfo(fh=fh)
+        info.keep_cache = not node.writable  # immutable content: let the kernel cache pages
+        info.direct_io = False
+        return info
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        node = handle.node
+        target = node.upper if node.upper is not None else node.view
+        assert target is not None
+        try:
+            data = await trio.to_thread.run_sync(target.read, off, size)
+        except (CorruptObject, MissingChunk, StrataError) as exc:
+            log.error("read of %s [%d, %d) failed: %s", self._path(node), off, off + size, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as exc:
+            log.error("read of %s failed: %s", self._path(node), exc)
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        if off == handle.last_end:
+            self._read_ahead(node, off + len(data))
+        handle.last_end = off + len(data)
+        return data
+
+    def _read_ahead(self, node: Node, end: int) -> None:
+        view = node.upper.lower if node.upper is not None else node.view
+        if view is None or end >= view.size:
+            return
+        first = end // view.chunk_size
+        for index in range(first, min(first + READ_AHEAD_CHUNKS, view.chunk_range(0, view.size).stop)):
+            digest = view.chunks.get(index)
+            if digest is not None and not self.cat.cache.contains(digest):
+                self.cat.schedule_prefetch(digest)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        upper = handle.node.upper
+        if upper is None:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if off + len(buf) > upper.size:
+            raise pyfuse3.FUSEError(errno.EFBIG)
+        try:
+            return await trio.to_thread.run_sync(upper.write, off, buf)
+        except (CorruptObject, MissingChunk, StrataError) as exc:
+            log.error("copy-up for write to %s at %d failed: %s", self._path(handle.node), off, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as exc:
+            log.error("write to %s failed: %s", self._path(handle.node), exc)
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+
+    async def flush(self, fh: int) -> None:
+        await self.fsync(fh, False)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handles.get(fh)
+        if handle is None or handle.node.upper is None:
+            return
+        try:
+            await trio.to_thread.run_sync(handle.node.upper.fsync)
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is not None and handle.pin_owner is not None:
+            self.cat.cache.unpin(handle.pin_owner)
+
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        stats = self.cat.cache.snapshot_stats()
+        s.f_blocks = stats["capacity"] // 4096
+        s.f_bfree = s.f_bavail = max(0, stats["capacity"] - stats["size"]) // 4096
+        s.f_files = len(self._nodes)
+        s.f_ffree = s.f_favail = 0
+        s.f_namemax = 255
+        return s
+
+    # refusals: the tree is managed through the control socket, not by file operations
+    async def create(self, parent_inode, name, mode, flags, ctx):  # noqa: ANN001, ANN201
+        raise pyfuse3.FUSEError(errno.EROFS if parent_inode != self.sandboxes.inode else errno.EPERM)
+
+    async def mkdir(self, parent_inode, name, mode, ctx):  # noqa: ANN001, ANN201
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def unlink(self, parent_inode, name, ctx):  # noqa: ANN001, ANN201
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def rmdir(self, parent_inode, name, ctx):  # noqa: ANN001, ANN201
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def rename(self, *args):  # noqa: ANN002, ANN201
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    def _path(self, node: Node) -> str:
+        parts = []
+        while node.inode != pyfuse3.ROOT_INODE:
+            parts.append(node.name)
+            node = self._nodes.get(node.parent) or self._nodes[pyfuse3.ROOT_INODE]
+        return "/" + "/".join(reversed(parts))
+
+    def open_handles(self) -> int:
+        return len(self._handles)
+
+    def shutdown(self, wait: Callable[[], None] | None = None) -> None:
+        self.readahead.shutdown(wait=False, cancel_futures=True)
