@@ -27,6 +27,7 @@ Rules, each tested in tests/fusefs/test_cache.py:
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import struct
 import threading
@@ -42,6 +43,7 @@ import lmdb
 from layerstore.digest import check_digest
 
 _ENTRY = struct.Struct("<Qd")
+_DIO_ALIGN = 4096
 
 
 @dataclass
@@ -88,9 +90,15 @@ class ChunkCache:
         self._tmp.mkdir(exist_ok=True)
         for stale in self._tmp.iterdir():
             stale.unlink(missing_ok=True)
-        self._env = lmdb.open(str(self.root / "index"), map_size=1 << 30, max_dbs=4, subdir=True)
+        # No fsync per commit: the index is reconciled with the files at start
+        # (an entry without its file is dropped, a file without an entry is
+        # removed), so a crash costs refetches, never wrong data.
+        self._env = lmdb.open(str(self.root / "index"), map_size=1 << 30, max_dbs=4, subdir=True, sync=False,
+                              metasync=False)
         self._db = self._env.open_db(b"entries")
         self._lock = threading.Lock()
+        self._local = threading.local()
+        self._direct_ok = True
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._verified: set[str] = set()
         self._pins: dict[Hashable, set[str]] = {}
@@ -217,8 +225,7 @@ class ChunkCache:
         tmp = self._tmp / f"{digest}.{uuid.uuid4().hex[:8]}"
         try:
             path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
-                f.write(data)
+            self._write_file(tmp, data)
             os.replace(tmp, path)
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -240,6 +247,36 @@ class ChunkCache:
             if self.stats.size + self._reserved > self._high:
                 self._evict_locked(self.stats.size + self._reserved - self._low)
         return True
+
+    def _write_file(self, path: Path, data: bytes) -> None:
+        """Write a cache file, with O_DIRECT when the length allows it.
+
+        Direct I/O skips filling the page cache with a second copy of data
+        the reader already has in memory, and on virtualised hosts it costs a
+        fraction of the kernel time of a buffered write (bench/fuse_read.py).
+        """
+        if len(data) % _DIO_ALIGN == 0 and self._direct_ok:
+            buf = getattr(self._local, "buf", None)
+            if buf is None or len(buf) < len(data):
+                buf = self._local.buf = mmap.mmap(-1, max(len(data), 1 << 20))
+            buf.seek(0)
+            buf.write(data)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+            except OSError:  # filesystem without O_DIRECT (tmpfs): buffered from now on
+                self._direct_ok = False
+            else:
+                try:
+                    view = memoryview(buf)[: len(data)]
+                    written = os.write(fd, view)
+                    view.release()
+                    if written != len(data):
+                        raise OSError(f"short direct write to {path}")
+                finally:
+                    os.close(fd)
+                return
+        with open(path, "wb", buffering=0) as f:
+            f.write(data)
 
     def _make_room_locked(self, size: int) -> bool:
         over = self.stats.size + self._reserved + size - self.capacity

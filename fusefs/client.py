@@ -40,6 +40,8 @@ def call(mountpoint: str | os.PathLike[str], request: dict[str, Any], *, timeout
                 buf += part
     except (FileNotFoundError, ConnectionRefusedError):
         raise DaemonError(f"no Strata daemon serves {mountpoint} (start one with `strata mount`)") from None
+    except (ConnectionResetError, BrokenPipeError):
+        raise DaemonError(f"the daemon serving {mountpoint} went away mid-request (see its log)") from None
     except socket.timeout:
         raise DaemonError(f"the daemon serving {mountpoint} did not answer within {timeout:.0f} s") from None
     try:

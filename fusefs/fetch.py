@@ -16,6 +16,7 @@ turns into an error in bounded time, never a hang.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
@@ -27,21 +28,64 @@ from .cache import ChunkCache
 class ChunkFetcher:
     """Read chunks through a cache, joining concurrent fetches of one chunk."""
 
-    def __init__(self, store: Store, cache: ChunkCache, *, fetch: Callable[[str], bytes] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        cache: ChunkCache,
+        *,
+        fetch: Callable[[str], bytes] | None = None,
+        memory: int = 64 << 20,
+    ) -> None:
         self.store = store
         self.cache = cache
         self._fetch = fetch or store.read_chunk
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[bytes]] = {}
+        # Chunks fetched recently, kept whole in memory: the kernel reads a
+        # 1 MiB chunk in 128 KiB requests, and all but the first are served
+        # from here instead of re-reading the cache file just written.
+        self._memory_cap = memory
+        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._memory_size = 0
         self.fetches = 0  # backend fetches actually issued (for tests and stats)
+
+    def _remember(self, digest: str, data: bytes) -> None:
+        if len(data) > self._memory_cap:
+            return
+        with self._lock:
+            if digest in self._memory:
+                return
+            self._memory[digest] = data
+            self._memory_size += len(data)
+            while self._memory_size > self._memory_cap:
+                _d, old = self._memory.popitem(last=False)
+                self._memory_size -= len(old)
+
+    def _recall(self, digest: str) -> bytes | None:
+        with self._lock:
+            data = self._memory.get(digest)
+            if data is not None:
+                self._memory.move_to_end(digest)
+            return data
+
+    def forget(self, digest: str) -> None:
+        """Drop a chunk from the in-memory set (e.g. after the cache dropped it)."""
+        with self._lock:
+            data = self._memory.pop(digest, None)
+            if data is not None:
+                self._memory_size -= len(data)
 
     def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes:
         """Bytes [offset, offset+length) of chunk `digest` (whole chunk if length < 0)."""
-        data = self.cache.read(digest, offset, length)
-        if data is not None:
-            return data
-        whole = self.fetch(digest)
-        return whole if length < 0 and offset == 0 else whole[offset : offset + length if length >= 0 else None]
+        whole = self._recall(digest)
+        if whole is None:
+            data = self.cache.read(digest, offset, length)
+            if data is not None:
+                return data
+            whole = self.fetch(digest)
+        if offset == 0 and (length < 0 or length >= len(whole)):
+            return whole
+        return whole[offset : offset + length if length >= 0 else None]
 
     def fetch(self, digest: str) -> bytes:
         """The whole verified chunk, fetched once however many callers ask at once."""
@@ -59,6 +103,7 @@ class ChunkFetcher:
                 self.fetches += 1
                 data = self._fetch(digest)
                 self.cache.put(digest, data)
+            self._remember(digest, data)
             future.set_result(data)
             return data
         except BaseException as exc:

@@ -39,7 +39,7 @@ from .view import LayerView
 
 log = logging.getLogger("strata.fusefs")
 
-READ_AHEAD_CHUNKS = 4
+READ_AHEAD_CHUNKS = 8
 
 
 @dataclass
