@@ -6,8 +6,10 @@ Used by the CLI (`strata mount`, `strata umount`, `strata layer ...`,
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -53,6 +55,33 @@ def call(mountpoint: str | os.PathLike[str], request: dict[str, Any], *, timeout
     return reply
 
 
+def _mounted_paths() -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {line.split()[4] for line in f if len(line.split()) > 4}
+
+
+def clear_stale_mount(mountpoint: str | os.PathLike[str]) -> bool:
+    """Detach a FUSE mount whose daemon died (SIGKILL, crash); True if one was cleared.
+
+    A dead FUSE mount answers every access with ENOTCONN ("Transport endpoint
+    is not connected") until it is unmounted; remounting over it needs that
+    first. A live daemon is never touched.
+    """
+    path = os.path.abspath(mountpoint)
+    if path not in _mounted_paths():
+        return False
+    try:
+        os.stat(path)
+        return False  # alive (or not FUSE): leave it
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            return False
+    result = subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise DaemonError(f"{path}: stale FUSE mount could not be detached: {result.stderr.strip()}")
+    return True
+
+
 def mount(
     mountpoint: str | os.PathLike[str],
     *,
@@ -68,6 +97,7 @@ def mount(
     Errors the daemon meets while starting (bad store, mount refused) come
     back as one StrataError line; the daemon's log holds the details.
     """
+    clear_stale_mount(mountpoint)
     mp = check_mountpoint(Path(mountpoint))
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -83,8 +113,6 @@ def mount(
     os.close(write_fd)
     deadline = time.monotonic() + timeout
     with os.fdopen(read_fd) as ready:
-        import select
-
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -112,6 +140,8 @@ def umount(mountpoint: str | os.PathLike[str], *, timeout: float = 30.0) -> dict
         pid = call(mp, {"op": "ping"}, timeout=10)["pid"]
         call(mp, {"op": "shutdown"}, timeout=10)
     except DaemonError:
+        if clear_stale_mount(mp):
+            return {"mountpoint": str(mp), "method": "stale mount detached"}
         if not os.path.ismount(mp):
             raise InvalidInput(f"{mp} is not a Strata mount") from None
         result = subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True, text=True)

@@ -1,0 +1,145 @@
+"""The chunk cache: hard cap, LRU with watermarks, pins, restart, torn entries."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fusefs.cache import ChunkCache
+from layerstore.digest import digest_bytes
+
+KiB = 1024
+
+
+def chunk(i: int, size: int = 64 * KiB) -> tuple[str, bytes]:
+    data = i.to_bytes(4, "little") * (size // 4)
+    return digest_bytes(data), data
+
+
+def test_cap_is_never_exceeded_and_lru_keeps_recent(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=1024 * KiB)
+    hot_digest, hot = chunk(0)
+    assert cache.put(hot_digest, hot)
+    for i in range(1, 100):
+        d, data = chunk(i)
+        assert cache.put(d, data)
+        assert cache.stats.size <= cache.capacity
+        assert sum(f.stat().st_size for f in (tmp_path / "chunks").rglob("*") if f.is_file()) <= cache.capacity
+        assert cache.read(hot_digest) == hot  # keep it recently used
+    stats = cache.snapshot_stats()
+    assert stats["evictions"] > 0 and stats["hits"] == 99
+    assert cache.read(chunk(1)[0]) is None  # an old one is gone
+
+
+def test_watermarks_evict_in_batches(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=1000 * KiB, high_watermark=0.9, low_watermark=0.5)
+    sizes = []
+    for i in range(40):
+        d, data = chunk(i)
+        cache.put(d, data)
+        sizes.append(cache.stats.size)
+    assert max(sizes) <= 900 * KiB
+    assert min(sizes[15:]) <= 500 * KiB  # dropped to the low watermark at least once
+
+
+def test_pinned_chunks_are_evicted_last(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=640 * KiB, high_watermark=1.0, low_watermark=1.0)
+    pinned = [chunk(i) for i in range(5)]
+    for d, data in pinned:
+        cache.put(d, data)
+    cache.pin("vm-1", [d for d, _ in pinned])
+    for i in range(5, 50):
+        d, data = chunk(i)
+        cache.put(d, data)
+    assert all(cache.contains(d) for d, _ in pinned)
+    # everything pinned and full: pinned chunks go as a last resort, cap holds
+    cache.pin("vm-2", [chunk(i)[0] for i in range(5, 50)])
+    for i in range(50, 70):
+        d, data = chunk(i)
+        assert cache.put(d, data)
+        assert cache.stats.size <= cache.capacity
+    cache.unpin("vm-1")
+    cache.unpin("vm-2")
+    assert cache.snapshot_stats()["pinned"] == 0
+
+
+def test_oversized_insert_is_skipped_not_an_overrun(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=100 * KiB)
+    d, data = chunk(1, 128 * KiB)
+    assert cache.put(d, data) is False
+    assert cache.stats.size == 0 and cache.stats.skipped_inserts == 1
+
+
+def test_index_survives_restart_in_lru_order(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=10 * 64 * KiB, high_watermark=1.0, low_watermark=1.0)
+    items = [chunk(i) for i in range(10)]
+    for d, data in items:
+        cache.put(d, data)
+    cache.read(items[0][0])  # 0 becomes most recent
+    cache.close()
+    again = ChunkCache(tmp_path, capacity=10 * 64 * KiB, high_watermark=1.0, low_watermark=1.0)
+    assert again.stats.entries == 10 and again.stats.size == 10 * 64 * KiB
+    assert again.read(items[5][0], 4, 8) == items[5][1][4:12]
+    again.put(*chunk(100))  # evicts the least recent: item 1, not item 0
+    assert again.contains(items[0][0]) and not again.contains(items[1][0])
+    again.close()
+
+
+def test_torn_entry_is_detected_and_never_served(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=1 << 20)
+    d, data = chunk(7)
+    cache.put(d, data)
+    cache.close()
+    path = tmp_path / "chunks" / d[:2] / d
+    with open(path, "r+b") as f:  # same size, different bytes: a torn write
+        f.seek(100)
+        f.write(b"\xff" * 100)
+    again = ChunkCache(tmp_path, capacity=1 << 20)
+    assert again.read(d) is None
+    assert again.stats.torn_entries == 1 and not path.exists()
+    assert again.put(d, data) and again.read(d) == data
+
+
+def test_restart_reconciles_missing_and_stray_files(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=1 << 20)
+    (d1, a), (d2, b) = chunk(1), chunk(2)
+    cache.put(d1, a)
+    cache.put(d2, b)
+    cache.close()
+    (tmp_path / "chunks" / d1[:2] / d1).unlink()
+    stray = tmp_path / "chunks" / "ab" / ("ab" * 32)
+    stray.parent.mkdir(exist_ok=True)
+    stray.write_bytes(b"junk")
+    again = ChunkCache(tmp_path, capacity=1 << 20)
+    assert not again.contains(d1) and again.contains(d2) and not stray.exists()
+    assert again.stats.size == len(b)
+
+
+def test_capacity_lowered_between_runs(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=1 << 20)
+    for i in range(10):
+        cache.put(*chunk(i))
+    cache.close()
+    again = ChunkCache(tmp_path, capacity=256 * KiB)
+    assert again.stats.size <= 256 * KiB
+
+
+def test_drop_unpinned(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, capacity=1 << 20)
+    keep = chunk(1)
+    cache.put(*keep)
+    cache.put(*chunk(2))
+    cache.pin("x", [keep[0]])
+    assert cache.drop() == 64 * KiB
+    assert cache.contains(keep[0]) and cache.stats.entries == 1
+    assert not any(p.name.startswith(".") for p in (tmp_path / "tmp").iterdir())
+    assert os.path.isdir(tmp_path / "index")
+
+
+def test_bad_settings_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        ChunkCache(tmp_path, capacity=0)
+    with pytest.raises(ValueError):
+        ChunkCache(tmp_path, capacity=1, high_watermark=0.5, low_watermark=0.9)

@@ -1,0 +1,253 @@
+"""The real FUSE mount, driven through the `strata` CLI as a user would."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import IN_CI
+from tests.images import MiB, write_image
+from tests.test_cli import free_port, run, strata_cmd
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/dev/fuse") and not IN_CI, reason="FUSE not available (/dev/fuse missing)"
+)
+
+
+class Mount:
+    """A store plus a running `strata mount` daemon, all under one temp dir."""
+
+    def __init__(self, tmp: Path, *, cache_size: str = "256M", store: str | None = None, env: dict | None = None) -> None:
+        self.tmp = tmp
+        self.mnt = tmp / "mnt"
+        self.mnt.mkdir(exist_ok=True)
+        self.env = {"STRATA_STORE": store or str(tmp / "store"), "STRATA_STATE_DIR": str(tmp / "state"),
+                    "STRATA_RUN_DIR": str(tmp / "run"), **(env or {})}
+        self.cache_size = cache_size
+        self.pid: int | None = None
+
+    def strata(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        r = run(list(args), self.env, timeout=timeout)
+        if check:
+            assert r.returncode == 0, (args, r.stdout, r.stderr)
+        return r
+
+    def start(self) -> None:
+        r = self.strata("mount", str(self.mnt), "--cache-dir", str(self.tmp / "cache"), "--cache-size",
+                        self.cache_size, "--json")
+        self.pid = json.loads(r.stdout)["pid"]
+
+    def stop(self) -> None:
+        if self.pid is None:
+            return
+        self.strata("umount", str(self.mnt), check=False)
+        try:
+            os.kill(self.pid, 0)
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+        self.pid = None
+
+    def stats(self) -> dict:
+        return json.loads(self.strata("cache", "stats", "--mount", str(self.mnt), "--json").stdout)
+
+    def image(self, ref: str) -> Path:
+        return self.mnt / "images" / ref / "disk.img"
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Mount]:
+    m = Mount(tmp_path)
+    yield m
+    m.stop()
+
+
+def test_lazy_reads_fetch_only_what_is_read(mount: Mount) -> None:
+    content = write_image(mount.tmp / "a.img", "rzrrpzzr")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "lazy:v1")
+    mount.start()
+    path = mount.image("lazy:v1")
+    assert path.stat().st_size == len(content)
+    assert mount.stats()["backend_fetches"] == 0  # mounting and stat read manifests only
+    with open(path, "rb", buffering=0) as f:
+        assert os.pread(f.fileno(), 100, 1 * MiB) == bytes(100)  # a hole: zeros, no fetch
+        assert mount.stats()["backend_fetches"] == 0
+        assert os.pread(f.fileno(), 4096, 3 * MiB + 10) == content[3 * MiB + 10 : 3 * MiB + 4106]
+        fetched = mount.stats()["backend_fetches"]
+        assert 1 <= fetched <= 1 + 8  # the chunk read, plus at most the read-ahead window
+        assert f.read() == content  # whole file, bit-exact
+        assert os.pread(f.fileno(), 10, len(content) + 5) == b""  # past EOF
+    assert sorted(os.listdir(mount.mnt)) == ["images", "layers", "sandboxes"]
+    assert "lazy:v1" in os.listdir(mount.mnt / "images")
+
+
+def test_refusals(mount: Mount) -> None:
+    write_image(mount.tmp / "a.img", "r")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "ro:v1")
+    mount.start()
+    with pytest.raises(OSError) as e:
+        open(mount.image("ro:v1"), "r+b")
+    assert e.value.errno in (errno.EROFS, errno.EACCES)
+    for missing in ("images/nope:v1/disk.img", "images/../../etc/passwd", "sandboxes/ghost/disk.img", "nothing"):
+        assert not (mount.mnt / missing).exists()
+    with pytest.raises(OSError):
+        (mount.mnt / "images" / "new-file").write_bytes(b"x")
+    with pytest.raises(OSError):
+        os.mkdir(mount.mnt / "sandboxes" / "x")
+    r = mount.strata("layer", "new", "../evil", "--image", "ro:v1", "--mount", str(mount.mnt), check=False)
+    assert r.returncode == 1 and "invalid sandbox id" in r.stderr
+    r = mount.strata("layer", "new", "sb", "--image", "nope:v1", "--mount", str(mount.mnt), check=False)
+    assert r.returncode == 1 and "not found" in r.stderr
+
+
+def test_corrupt_chunk_gives_eio_for_its_range_only_and_recovers(mount: Mount) -> None:
+    content = write_image(mount.tmp / "a.img", "rrr", seed=9)
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "bad:v1")
+    victim = sorted((mount.tmp / "store" / "objects" / "chunks").rglob("*"))
+    from layerstore.digest import digest_bytes
+
+    second = digest_bytes(content[MiB : 2 * MiB])
+    obj = next(p for p in victim if p.name == second)
+    good = obj.read_bytes()
+    obj.write_bytes(good[:-20] + bytes(20))
+    mount.start()
+    with open(mount.image("bad:v1"), "rb", buffering=0) as f:
+        assert os.pread(f.fileno(), 100, 0) == content[:100]
+        with pytest.raises(OSError) as e:
+            os.pread(f.fileno(), 100, MiB + 50)
+        assert e.value.errno == errno.EIO
+        assert os.pread(f.fileno(), 100, 2 * MiB) == content[2 * MiB : 2 * MiB + 100]
+        obj.write_bytes(good)  # repaired in the store: the next read succeeds
+        assert os.pread(f.fileno(), 100, MiB + 50) == content[MiB + 50 : MiB + 150]
+    log = (mount.tmp / "cache" / "daemon.log").read_text()
+    assert second in log
+
+
+def test_sandbox_write_seal_remount(mount: Mount) -> None:
+    content = write_image(mount.tmp / "a.img", "rzrp")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "base:v1")
+    mount.start()
+    m = str(mount.mnt)
+    mount.strata("layer", "new", "sb1", "--image", "base:v1", "--mount", m)
+    mount.strata("layer", "new", "sb2", "--image", "base:v1", "--mount", m)
+    d1 = mount.mnt / "sandboxes" / "sb1" / "disk.img"
+    d2 = mount.mnt / "sandboxes" / "sb2" / "disk.img"
+    with open(d1, "r+b", buffering=0) as f:
+        os.pwrite(f.fileno(), b"written by sb1", MiB + 123)
+        os.fsync(f.fileno())
+    assert d2.read_bytes() == content  # sb2 does not see sb1's write
+    expected = bytearray(content)
+    expected[MiB + 123 : MiB + 137] = b"written by sb1"
+    assert d1.read_bytes() == bytes(expected)
+    sealed = json.loads(mount.strata("layer", "seal", "sb1", "--wait", "--mount", m, "--json").stdout)
+    assert sealed["dirty_chunks"] == 1 and len(sealed["manifest"]) == 64
+    assert (mount.mnt / "layers" / sealed["manifest"] / "disk.img").read_bytes() == bytes(expected)
+    with open(d1, "r+b", buffering=0) as f:  # writes after the seal go to the fresh upper layer
+        os.pwrite(f.fileno(), b"after seal", 10)
+        os.fsync(f.fileno())
+    expected[10:20] = b"after seal"
+    mount.strata("umount", m)
+    mount.pid = None
+    mount.start()
+    assert d1.read_bytes() == bytes(expected)
+    rows = json.loads(mount.strata("layer", "ls", "--mount", m, "--json").stdout)
+    assert {r["sid"]: r["layers"] for r in rows}["sb1"] == [sealed["manifest"]]
+    mount.strata("layer", "rm", "sb2", "--mount", m)
+    assert not (mount.mnt / "sandboxes" / "sb2").exists()
+
+
+def test_sigkill_then_remount_keeps_fsynced_writes(mount: Mount) -> None:
+    write_image(mount.tmp / "a.img", "rr")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "base:v1")
+    mount.start()
+    m = str(mount.mnt)
+    mount.strata("layer", "new", "sb", "--image", "base:v1", "--mount", m)
+    disk = mount.mnt / "sandboxes" / "sb" / "disk.img"
+    with open(disk, "r+b", buffering=0) as f:
+        os.pwrite(f.fileno(), b"synced", 4096)
+        os.fsync(f.fileno())
+    os.kill(mount.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    mount.start()  # clears the dead mount and mounts again
+    with open(disk, "rb") as f:
+        f.seek(4096)
+        assert f.read(6) == b"synced"
+
+
+def test_sigterm_unmounts_cleanly(mount: Mount) -> None:
+    write_image(mount.tmp / "a.img", "r")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "base:v1")
+    mount.start()
+    os.kill(mount.pid, signal.SIGTERM)
+    for _ in range(100):
+        try:
+            os.kill(mount.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("daemon ignored SIGTERM")
+    assert str(mount.mnt) not in Path("/proc/self/mountinfo").read_text()
+    mount.pid = None
+
+
+def test_backend_going_away_gives_eio_and_cached_data_still_serves(tmp_path: Path) -> None:
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="t",
+                 aws_secret_access_key="t").create_bucket(Bucket="fuse")
+    env = {"STRATA_S3_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}
+    m = Mount(tmp_path, store="s3://fuse/x", env=env)
+    try:
+        content = write_image(tmp_path / "a.img", "rrrrrrrrrrrrrrrrrrrr", seed=3)
+        m.strata("image", "import", str(tmp_path / "a.img"), "remote:v1")
+        m.start()
+        with open(m.image("remote:v1"), "rb", buffering=0) as f:
+            assert os.pread(f.fileno(), 1000, 0) == content[:1000]
+            server.stop()
+            started = time.monotonic()
+            with pytest.raises(OSError) as e:
+                os.pread(f.fileno(), 1000, 19 * MiB)
+            assert e.value.errno == errno.EIO
+            assert time.monotonic() - started < 60  # bounded retries, no hang
+            assert os.pread(f.fileno(), 1000, 0) == content[:1000]  # cached data still served
+    finally:
+        m.stop()
+        try:
+            server.stop()
+        except Exception:
+            pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for a full cache disk needs root")
+def test_full_cache_disk_still_serves_reads(tmp_path: Path) -> None:
+    m = Mount(tmp_path, cache_size="64M")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(cache)], check=True)
+    try:
+        content = write_image(tmp_path / "a.img", "rrrrrrrr", seed=4)
+        m.strata("image", "import", str(tmp_path / "a.img"), "full:v1")
+        m.start()
+        assert m.image("full:v1").read_bytes() == content
+        stats = m.stats()
+        assert stats["skipped_inserts"] > 0
+    finally:
+        m.stop()
+        subprocess.run(["umount", "-l", str(cache)], check=False)
