@@ -55,7 +55,8 @@ def cmd_cache_stats(args: argparse.Namespace, env: dict[str, str], out: Output) 
 
     if args.mount:
         reply = call(args.mount, {"op": "stats"})
-        stats: dict[str, Any] = {**reply["cache"], "backend_fetches": reply["fetches"]}
+        stats: dict[str, Any] = {**reply["cache"], "memory_hits": reply["memory_hits"],
+                                 "backend_fetches": reply["fetches"]}
     else:
         from .cache import ChunkCache
 
@@ -70,9 +71,10 @@ def cmd_cache_stats(args: argparse.Namespace, env: dict[str, str], out: Output) 
     def text() -> str:
         lines = [f"{k:<16} {human_bytes(v) if k in ('size', 'capacity', 'bytes_fetched', 'bytes_evicted') else v}"
                  for k, v in stats.items()]
-        total = stats.get("hits", 0) + stats.get("misses", 0)
+        hits = stats.get("hits", 0) + stats.get("memory_hits", 0)
+        total = hits + stats.get("misses", 0)
         if total:
-            lines.append(f"{'hit ratio':<16} {stats['hits'] / total:.1%}")
+            lines.append(f"{'hit ratio':<16} {hits / total:.1%}")
         return "\n".join(lines)
 
     out.result(stats, text)

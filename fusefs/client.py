@@ -26,9 +26,15 @@ class DaemonError(StrataError):
     """The daemon answered with an error, or could not be reached."""
 
 
-def call(mountpoint: str | os.PathLike[str], request: dict[str, Any], *, timeout: float = 600.0) -> dict[str, Any]:
+def call(
+    mountpoint: str | os.PathLike[str],
+    request: dict[str, Any],
+    *,
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Send one control request to the daemon serving `mountpoint`; return its reply."""
-    path = control_socket(mountpoint)
+    path = control_socket(mountpoint, env)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)

@@ -48,6 +48,7 @@ class ChunkFetcher:
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         self._memory_size = 0
         self.fetches = 0  # backend fetches actually issued (for tests and stats)
+        self.memory_hits = 0  # reads served from the in-memory recent set
 
     def _remember(self, digest: str, data: bytes) -> None:
         if len(data) > self._memory_cap:
@@ -66,6 +67,7 @@ class ChunkFetcher:
             data = self._memory.get(digest)
             if data is not None:
                 self._memory.move_to_end(digest)
+                self.memory_hits += 1
             return data
 
     def forget(self, digest: str) -> None:

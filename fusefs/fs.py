@@ -277,6 +277,12 @@ class StrataFS(pyfuse3.Operations):
         node = handle.node
         target = node.upper if node.upper is not None else node.view
         assert target is not None
+        if node.view is not None and size <= node.view.chunk_size:
+            # Holes need no I/O: answer in the event loop, skipping a thread hop.
+            zeros = node.view.zeros_if_hole(off, size)
+            if zeros is not None:
+                handle.last_end = off + len(zeros)
+                return zeros
         try:
             data = await trio.to_thread.run_sync(target.read, off, size)
         except (CorruptObject, MissingChunk, StrataError) as exc:

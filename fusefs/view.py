@@ -56,5 +56,15 @@ class LayerView:
             pos += n
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def zeros_if_hole(self, offset: int, length: int) -> bytes | None:
+        """Zeros for a range that touches no stored chunk, else None (cheap: no I/O)."""
+        chunks = self.chunks
+        for index in self.chunk_range(offset, length):
+            if index in chunks:
+                return None
+        end = min(self.size, offset + length)
+        n = max(0, end - offset)
+        return self._zero if n == self.chunk_size else bytes(n)
+
     def digests(self) -> set[str]:
         return set(self.chunks.values())

@@ -66,6 +66,37 @@ def moto_s3() -> Iterator[object]:
         yield client
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoHTTP:
+    """moto's S3 over real HTTP on a loopback port, for `strata` subprocesses
+    (which cannot share the in-process mock). `stop()` simulates the store dying."""
+
+    def __init__(self, bucket: str) -> None:
+        from moto.server import ThreadedMotoServer
+
+        port = free_port()
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self._server.start()
+        self._running = True
+        self.endpoint = f"http://127.0.0.1:{port}"
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket=bucket)
+        self.env = {"STRATA_S3_ENDPOINT": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                    "AWS_SECRET_ACCESS_KEY": "testing"}
+
+    def stop(self) -> None:
+        if self._running:
+            self._running = False
+            self._server.stop()
+
+
 def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Backend:
     """A fresh, empty backend of `kind` (a unique prefix on shared S3 servers)."""
     if kind == "local":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.conftest import seaweed_env
+from tests.conftest import MotoHTTP, free_port, seaweed_env
 from tests.images import write_image
 
 
@@ -29,26 +28,10 @@ def run(args: list[str], env: dict[str, str] | None = None, *, timeout: float = 
     return subprocess.run(strata_cmd() + args, env=full_env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def moto_server() -> Iterator[str]:
-    """moto's S3 over real HTTP (a subprocess can't share the in-process mock)."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                 aws_secret_access_key="testing").create_bucket(Bucket="cli-tests")
-    yield endpoint
+    server = MotoHTTP("cli-tests")
+    yield server.endpoint
     server.stop()
 
 

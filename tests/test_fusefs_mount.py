@@ -7,16 +7,15 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests.conftest import IN_CI, MotoHTTP
 from tests.images import MiB, write_image
-from tests.test_cli import free_port, run, strata_cmd
+from tests.test_cli import run
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/dev/fuse") and not IN_CI, reason="FUSE not available (/dev/fuse missing)"
@@ -202,18 +201,8 @@ def test_sigterm_unmounts_cleanly(mount: Mount) -> None:
 
 
 def test_backend_going_away_gives_eio_and_cached_data_still_serves(tmp_path: Path) -> None:
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="t",
-                 aws_secret_access_key="t").create_bucket(Bucket="fuse")
-    env = {"STRATA_S3_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}
-    m = Mount(tmp_path, store="s3://fuse/x", env=env)
+    server = MotoHTTP("fuse")
+    m = Mount(tmp_path, store="s3://fuse/x", env=server.env)
     try:
         content = write_image(tmp_path / "a.img", "rrrrrrrrrrrrrrrrrrrr", seed=3)
         m.strata("image", "import", str(tmp_path / "a.img"), "remote:v1")
@@ -229,10 +218,7 @@ def test_backend_going_away_gives_eio_and_cached_data_still_serves(tmp_path: Pat
             assert os.pread(f.fileno(), 1000, 0) == content[:1000]  # cached data still served
     finally:
         m.stop()
-        try:
-            server.stop()
-        except Exception:
-            pass
+        server.stop()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs for a full cache disk needs root")
