@@ -237,3 +237,43 @@ def test_full_cache_disk_still_serves_reads(tmp_path: Path) -> None:
     finally:
         m.stop()
         subprocess.run(["umount", "-l", str(cache)], check=False)
+
+
+def test_recorded_prefetch_list_is_fetched_on_open(mount: Mount) -> None:
+    content = write_image(mount.tmp / "a.img", "rrrrrrrrrrrrrrrr", seed=8)
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "boot:v1")
+    mount.start()
+    with open(mount.image("boot:v1"), "rb", buffering=0) as f:  # "boot": touch chunks 3 and 12
+        os.pread(f.fileno(), 10, 3 * MiB)
+        os.pread(f.fileno(), 10, 12 * MiB)
+    r = json.loads(mount.strata("image", "record-prefetch", "boot:v1", "--mount", str(mount.mnt), "--json").stdout)
+    assert r["chunks"] >= 2
+    mount.stop()
+    import shutil
+
+    shutil.rmtree(mount.tmp / "cache")
+    mount.start()
+    assert mount.stats()["backend_fetches"] == 0
+    f = open(mount.image("boot:v1"), "rb", buffering=0)  # opening starts the prefetch
+    try:
+        for _ in range(100):
+            if mount.stats()["backend_fetches"] >= 2:
+                break
+            time.sleep(0.05)
+        assert mount.stats()["backend_fetches"] >= 2
+        assert mount.stats()["entries"] >= 2
+        assert os.pread(f.fileno(), 10, 12 * MiB) == content[12 * MiB : 12 * MiB + 10]
+    finally:
+        f.close()
+
+
+def test_cache_stats_without_a_daemon(mount: Mount) -> None:
+    write_image(mount.tmp / "a.img", "rr")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "s:v1")
+    mount.start()
+    mount.image("s:v1").read_bytes()
+    mount.stop()
+    r = json.loads(mount.strata("cache", "stats", "--cache-dir", str(mount.tmp / "cache"), "--json").stdout)
+    assert r["entries"] == 2 and r["size"] == 2 * MiB
+    r = mount.strata("cache", "stats", "--cache-dir", str(mount.tmp / "nope"), check=False)
+    assert r.returncode == 1 and "no chunk cache" in r.stderr

@@ -1,0 +1,88 @@
+"""ChunkFetcher: one fetch per missing chunk however many readers, errors shared, never cached."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fusefs.cache import ChunkCache
+from fusefs.fetch import ChunkFetcher
+from fusefs.view import LayerView
+from layerstore.digest import digest_bytes
+from layerstore.errors import CorruptObject
+from layerstore.store import open_store
+
+DATA = b"chunk-bytes" * 1000
+DIGEST = digest_bytes(DATA)
+
+
+def make(tmp_path: Path, fetch) -> ChunkFetcher:  # noqa: ANN001
+    store = open_store(str(tmp_path / "store"))
+    return ChunkFetcher(store, ChunkCache(tmp_path / "cache", capacity=1 << 20), fetch=fetch, memory=0)
+
+
+def test_concurrent_readers_share_one_fetch(tmp_path: Path) -> None:
+    calls = []
+    gate = threading.Event()
+
+    def slow_fetch(digest: str) -> bytes:
+        calls.append(digest)
+        gate.wait(5)
+        return DATA
+
+    fetcher = make(tmp_path, slow_fetch)
+    results: list[bytes] = []
+    threads = [threading.Thread(target=lambda: results.append(fetcher.read(DIGEST, 11, 22))) for _ in range(16)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert calls == [DIGEST] and fetcher.fetches == 1
+    assert results == [DATA[11:33]] * 16
+    assert fetcher.read(DIGEST) == DATA and fetcher.fetches == 1  # now from the cache
+
+
+def test_errors_reach_every_waiter_and_are_not_cached(tmp_path: Path) -> None:
+    attempts = []
+
+    def broken(digest: str) -> bytes:
+        attempts.append(digest)
+        time.sleep(0.1)
+        raise CorruptObject(f"chunk {digest}: bad")
+
+    fetcher = make(tmp_path, broken)
+    errors: list[Exception] = []
+
+    def reader() -> None:
+        try:
+            fetcher.read(DIGEST)
+        except CorruptObject as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 8 and len(attempts) == 1
+    assert not fetcher.cache.contains(DIGEST)
+    with pytest.raises(CorruptObject):
+        fetcher.read(DIGEST)
+    assert len(attempts) == 2  # a later read tries again (the object may have been repaired)
+
+
+def test_view_reads_holes_without_fetching(tmp_path: Path) -> None:
+    fetched = []
+    fetcher = make(tmp_path, lambda d: fetched.append(d) or DATA)
+    cs = 64 * 1024
+    view = LayerView(fetcher, "00" * 32, 3 * cs, cs, {1: DIGEST})
+    assert view.read(0, cs) == bytes(cs) and fetched == []
+    assert view.zeros_if_hole(0, cs) == bytes(cs) and view.zeros_if_hole(cs, 10) is None
+    assert view.read(cs, 5) == DATA[:5] and fetched == [DIGEST]
+    assert view.read(3 * cs, 10) == b"" and view.read(-1, 10) == b""
+    assert list(view.touched) == [1]
