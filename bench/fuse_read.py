@@ -21,6 +21,7 @@ Usage (root: dropping the page cache needs it)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import mmap
@@ -98,7 +99,8 @@ def seq_read(path: Path, direct: bool, size: int) -> float:
     return total / dt / MB
 
 
-def rand_read(path: Path, offsets: list[int], direct: bool, expect: list[bytes] | None) -> tuple[dict[str, float], list[bytes]]:
+def rand_read(path: Path, offsets: list[int], direct: bool,
+              expect: list[bytes] | None) -> tuple[dict[str, float], list[bytes]]:
     """Time each 4 KiB pread alone; hash outside the timer to check the bytes against the raw file."""
     note(f"python: {len(offsets)} x preadv({path}, 4K, seeded offsets, {'O_DIRECT' if direct else 'buffered'})")
     buf, fd = mmap.mmap(-1, PAGE), open_fd(path, direct)
@@ -161,10 +163,8 @@ class Mounts:
         pid = self.strata.pop(mp)
         if sh([STRATA, "umount", str(mp), "--json"], self.env, check=False)[0].returncode:
             self._fusermount(mp)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
 
     def rclone_mount(self, src: Path, mp: Path, cache: Path) -> None:
         """rclone in the foreground under our Popen instead of --daemon: same code path, exact pid."""
@@ -182,9 +182,9 @@ class Mounts:
     def rclone_umount(self, mp: Path) -> None:
         proc = self.rclone.pop(mp)
         self._fusermount(mp)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
 
@@ -250,7 +250,6 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
         time.sleep(pause)
     stop.set()
     t.join()
-    dt = time.perf_counter() - t0
     t1 = time.perf_counter()  # drain: a last seal --wait, retried while an earlier one still publishes
     while (p := sh([STRATA, "layer", "seal", sid, "--mount", str(mp), "--wait", "--json"], m.env, check=False)[0]
            ).returncode and "still being published" in p.stderr and time.perf_counter() - t1 < 300:
@@ -259,11 +258,13 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
         raise RuntimeError(f"final seal --wait failed: {p.stderr.strip()}")
     publish = time.perf_counter() - t1
     sh([STRATA, "layer", "rm", sid, "--mount", str(mp), "--json"], m.env)
-    print(f"  -> {len(switch)} seals done, {busy} refused as busy, failed: {failed[:2]}, writer errors: {state['errors'][:2]}")
+    print(f"  -> {len(switch)} seals done, {busy} refused as busy, failed: {failed[:2]}, "
+          f"writer errors: {state['errors'][:2]}")
     return {"switch_p50_ms": pct(switch, 50), "switch_p99_ms": pct(switch, 99), "cli_p50_ms": pct(wall, 50),
             "cli_p99_ms": pct(wall, 99), "cli_idle_floor_ms": statistics.median(floor),
             "dirty_chunks_p50": statistics.median(dirty) if dirty else 0, "done": len(switch), "busy": busy,
-            "failed": len(failed), "writer_MBps": state["bytes"] / dt / MB, "writer_errors": len(state["errors"]),
+            "failed": len(failed), "writer_MBps": state["bytes"] / (t1 - t0) / MB,
+            "writer_errors": len(state["errors"]),
             "drain_ms": publish * 1000}
 
 
@@ -315,27 +316,20 @@ def one_repeat(m: Mounts, args: argparse.Namespace, img: Path, r: int) -> dict[s
     # serves the warm reads, random reads and the seal test.  rclone is run the same way.
     for label, mp in (("strata", run / "mnt-strata"), ("rclone", run / "mnt-rclone")):
         for mode, direct in MODES:
-            cache = run / f"cache-{label}-{r}-{mode}"
-            if label == "strata":
-                m.strata_mount(mp, cache)
-                path = mp / "images" / args.ref / "disk.img"
-            else:
-                m.rclone_mount(img.parent, mp, cache)
-                path = mp / img.name
+            cache, strata = run / f"cache-{label}-{r}-{mode}", label == "strata"
+            m.strata_mount(mp, cache) if strata else m.rclone_mount(img.parent, mp, cache)
+            path = mp / "images" / args.ref / "disk.img" if strata else mp / img.name
             seq(f"{label}_cold", path, mode, direct)
             if not direct:
                 for mode2, direct2 in MODES:
                     seq(f"{label}_warm", path, mode2, direct2)
                 rand(label, path)
-            if label == "strata" and not direct:
+            if strata and not direct:
                 out["strata_cache_stats"] = json.loads(sh([STRATA, "cache", "stats", "--mount", str(mp), "--json"],
                                                           m.env)[0].stdout)
                 seal = seal_test(m, mp, args.ref, f"bench{r}", args.seals, args.seal_pause)
                 out.update({f"seal.{k}": v for k, v in seal.items()})
-            if label == "strata":
-                m.strata_umount(mp)
-            else:
-                m.rclone_umount(mp)
+            (m.strata_umount if strata else m.rclone_umount)(mp)
             shutil.rmtree(cache, ignore_errors=True)
     head = keystream(args.seed, "sparse", 0, BS)[:PAGE]
     for mode, direct in MODES:
@@ -345,7 +339,7 @@ def one_repeat(m: Mounts, args: argparse.Namespace, img: Path, r: int) -> dict[s
     return out
 
 
-def report(med: dict[str, float], repeat: int) -> list[str]:
+def report(med: dict[str, float], repeat: int, big: str) -> list[str]:
     """Print the tables and the target checks; return the names of missed targets."""
     def g(key: str, default: float = float("nan")) -> float:
         return med.get(key, default)
@@ -353,7 +347,8 @@ def report(med: dict[str, float], repeat: int) -> list[str]:
     print(f"{'':<44}{'buffered':>10}{'O_DIRECT':>10}")
     for key, name in (("raw", "raw file"), ("strata_cold", "strata cold (empty cache, store on disk)"),
                       ("strata_warm", "strata warm (chunk cache on disk)"),
-                      ("rclone_cold", "rclone cold (empty VFS cache)"), ("rclone_warm", "rclone warm (VFS cache on disk)")):
+                      ("rclone_cold", "rclone cold (empty VFS cache)"),
+                      ("rclone_warm", "rclone warm (VFS cache on disk)")):
         print(f"{name:<44}{g(f'seq.{key}.buffered'):>10.0f}{g(f'seq.{key}.direct'):>10.0f}")
     print("\n4 KiB random reads on warm caches, page cache dropped first, us (bytes checked against raw)")
     print(f"{'':<12}{'buf p50':>10}{'buf p99':>10}{'dir p50':>10}{'dir p99':>10}{'mismatch':>10}")
@@ -368,7 +363,7 @@ def report(med: dict[str, float], repeat: int) -> list[str]:
           f"  dirty chunks p50 {g('seal.dirty_chunks_p50'):.0f} | writer {g('seal.writer_MBps'):.0f} MB/s, "
           f"{g('seal.writer_errors'):.0f} errors | drain (seal --wait until all published) {g('seal.drain_ms'):.0f} ms")
     for mo, _ in MODES:
-        print(f"10 GiB sparse image, {mo:<8}: strata mount {g(f'first.mount_ms.{mo}'):.0f} ms; open "
+        print(f"{big} sparse image, {mo:<8}: strata mount {g(f'first.mount_ms.{mo}'):.0f} ms; open "
               f"{g(f'first.open_ms.{mo}'):.1f} ms + first 4 KiB {g(f'first.read_ms.{mo}'):.1f} ms = "
               f"{g(f'first.byte_ms.{mo}'):.1f} ms")
     checks: list[tuple[str, float, str, float]] = []
@@ -438,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             clear_run_dir(run)
     med = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))}
-    missed = report(med, args.repeat)
+    missed = report(med, args.repeat, args.big_size)
     print(f"\nmeasured in {time.perf_counter() - t0:.0f} s; {os.cpu_count()} CPUs; kernel {platform.release()}")
     if args.json:
         rclone = subprocess.run(["rclone", "version"], capture_output=True, text=True).stdout.split("\n")[0]

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 MODE=${1:-install}
 
-APT_PACKAGES=(fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static e2fsprogs iproute2 util-linux
+APT_PACKAGES=(fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static e2fsprogs cpio xz-utils iproute2 util-linux
               python3 python3-venv python3-dev gcc)
 BENCH_PACKAGES=(restic borgbackup casync rclone)
 

@@ -146,8 +146,9 @@ class Catalogue:
                 log.error("sandbox %s not loaded: %s", root.name, exc)
                 continue
             self._attach(upper)
-            if upper.sealing is not None:
-                self.seals[upper.sid] = upper.resume_seal(self._publish, self._sealer.submit)  # type: ignore[assignment]
+            tickets = upper.resume_seals(self._publish, self._sealer.submit)
+            if tickets:
+                self.seals[upper.sid] = tickets[-1]
 
     def _attach(self, upper: UpperLayer) -> None:
         self.sandboxes[upper.sid] = upper
@@ -170,8 +171,8 @@ class Catalogue:
         upper = self.sandboxes.get(sid)
         if upper is None:
             raise NotFound(f"sandbox {sid} not found")
-        if upper.sealing is not None:
-            raise StrataError(f"sandbox {sid}: a seal is still being published; wait for it")
+        if upper.sealing:
+            raise StrataError(f"sandbox {sid}: {len(upper.sealing)} sealed layer(s) still being published; wait for them")
         if self.fs is not None:
             self.fs.remove_sandbox(sid)
         del self.sandboxes[sid]

@@ -3,7 +3,7 @@
 On-disk layout of one sandbox (`UPPER_ROOT/<sid>/`):
 
     state.json       {"base": <manifest id>, "size": N, "chunk_size": C,
-                      "gen": g, "sealing": g' | null, "layers": [<sealed ids>]}
+                      "gen": g, "sealing": [g1, g2, ...], "layers": [<sealed ids>]}
     gen-<g>.data     sparse file of N bytes; a dirty chunk holds its full content
     gen-<g>.dirty    bitmap, one bit per chunk, written on fsync (atomically)
 
@@ -17,12 +17,14 @@ state. After a crash, chunks marked in the last bitmap hold at least what was
 fsynced; unsynced writes may be lost, as on any disk.
 
 Seal (an incremental snapshot) is a metadata switch under an exclusive lock:
-the current generation freezes and becomes `sealing`, and a new empty
+the current generation freezes and joins the `sealing` queue, and a new empty
 generation takes writes. Writers are held only for that switch, never for
 hashing or uploading, and a write lands wholly in one generation. A
 background job then hashes and stores the frozen dirty chunks as a layer
 (parent = base) and, once the manifest is published, makes it the new base
-and deletes the frozen files.
+and deletes the frozen files. Queued generations publish oldest first; reads
+check the current generation, then the frozen ones newest first, then the
+lower stack.
 """
 
 from __future__ import annotations
@@ -185,10 +187,14 @@ class UpperLayer:
         self._lock = RWLock()
         self._chunk_locks = [threading.Lock() for _ in range(64)]
         self.current = _Generation(root, int(state["gen"]), self.size, self.chunk_size, create=False)  # type: ignore[arg-type]
-        sealing = state.get("sealing")
-        self.sealing = (
-            _Generation(root, int(sealing), self.size, self.chunk_size, create=False) if sealing is not None else None  # type: ignore[arg-type]
-        )
+        queued = state.get("sealing") or []
+        queued = [queued] if isinstance(queued, int) else queued
+        # frozen generations waiting to be published, oldest first
+        self.sealing: list[_Generation] = [
+            _Generation(root, int(g), self.size, self.chunk_size, create=False) for g in queued  # type: ignore[union-attr]
+        ]
+        self._publish_lock = threading.Lock()
+        self._published: dict[int, str] = {}
         self._state_changed = False
         self._seal_lock = threading.Lock()
         self.pending_seal: SealTicket | None = None
@@ -202,7 +208,7 @@ class UpperLayer:
         except FileExistsError:
             raise InvalidInput(f"sandbox {root.name} already exists") from None
         state = {"base": lower.manifest_id, "size": lower.size, "chunk_size": lower.chunk_size, "gen": 1,
-                 "sealing": None, "layers": []}
+                 "sealing": [], "layers": []}
         gen = _Generation(root, 1, lower.size, lower.chunk_size, create=True)
         gen.sync()
         gen.close()
@@ -221,7 +227,7 @@ class UpperLayer:
 
     def _persist_state(self) -> None:
         state = {"base": self.base, "size": self.size, "chunk_size": self.chunk_size, "gen": self.current.gen,
-                 "sealing": self.sealing.gen if self.sealing else None, "layers": self.layers}
+                 "sealing": [g.gen for g in self.sealing], "layers": self.layers}
         _write_atomic(self.root / "state.json", json.dumps(state).encode())
 
     # data path --------------------------------------------------------------
@@ -229,9 +235,10 @@ class UpperLayer:
         return self._chunk_locks[index % len(self._chunk_locks)]
 
     def _read_below(self, index: int, inner: int, n: int) -> bytes:
-        """Chunk content under the current generation."""
-        if self.sealing is not None and self.sealing.is_dirty(index):
-            return os.pread(self.sealing.fd, n, index * self.chunk_size + inner)
+        """Chunk content under the current generation: newest frozen one first."""
+        for frozen in reversed(self.sealing):
+            if frozen.is_dirty(index):
+                return os.pread(frozen.fd, n, index * self.chunk_size + inner)
         return self.lower.read(index * self.chunk_size + inner, n)
 
     def read(self, offset: int, length: int) -> bytes:
@@ -297,60 +304,60 @@ class UpperLayer:
 
     # seal -------------------------------------------------------------------
     def seal(self, publish: Publisher, run: Callable[[Callable[[], None]], None]) -> SealTicket:
-        """Freeze the current generation and start publishing it as a layer.
+        """Freeze the current generation and queue its publication as a layer.
 
-        `run` starts the background job (e.g. an executor's submit). Only one
-        seal runs at a time per sandbox; a second waits for the first's switch.
+        Seals never wait for earlier ones: frozen generations queue up and are
+        published oldest first (each layer's parent is the one before it), so
+        a sandbox can be sealed as often as it likes while writers run. `run`
+        starts the background job (an executor's submit).
         """
         with self._seal_lock:
-            if self.sealing is not None:
-                raise StrataError(f"sandbox {self.sid}: a seal is still being published; try again when it finishes")
             started = time.monotonic()
             self._lock.acquire_exclusive()
             try:
                 frozen = self.current
                 self.current = _Generation(self.root, frozen.gen + 1, self.size, self.chunk_size, create=True)
-                self.sealing = frozen
+                self.sealing.append(frozen)
             finally:
                 self._lock.release_exclusive()
             switched = time.monotonic() - started
             frozen.sync()
             self.current.sync()
             self._persist_state()
-            dirty = frozen.dirty_indices()
-            future: Future[str] = Future()
-            ticket = SealTicket(self.sid, frozen.gen, len(dirty), future, switched)
+            ticket = SealTicket(self.sid, frozen.gen, len(frozen.dirty_indices()), Future(), switched)
             self.pending_seal = ticket
-
-        def job() -> None:
-            try:
-                future.set_result(self._finish_seal(frozen, dirty, publish))
-            except BaseException as exc:  # the frozen generation stays; a later seal retries
-                future.set_exception(exc)
-
-        run(job)
+        run(lambda: self._publish_job(ticket, publish))
         return ticket
 
-    def resume_seal(self, publish: Publisher, run: Callable[[Callable[[], None]], None]) -> SealTicket | None:
-        """After a restart: finish a seal that was switched but not published."""
-        frozen = self.sealing
-        if frozen is None:
-            return None
+    def resume_seals(self, publish: Publisher, run: Callable[[Callable[[], None]], None]) -> list[SealTicket]:
+        """After a restart: publish every generation that was frozen but not published."""
+        tickets = []
+        for frozen in list(self.sealing):
+            ticket = SealTicket(self.sid, frozen.gen, len(frozen.dirty_indices()), Future(), 0.0)
+            tickets.append(ticket)
+            run(lambda t=ticket: self._publish_job(t, publish))
+        if tickets:
+            self.pending_seal = tickets[-1]
+        return tickets
+
+    def _publish_job(self, ticket: SealTicket, publish: Publisher) -> None:
+        """Publish queued generations oldest first, up to and including the ticket's."""
+        try:
+            with self._publish_lock:
+                while True:
+                    with self._seal_lock:
+                        if ticket.generation in self._published:
+                            break
+                        if not self.sealing or self.sealing[0].gen > ticket.generation:
+                            raise StrataError(f"sandbox {self.sid}: generation {ticket.generation} is not queued")
+                        oldest = self.sealing[0]
+                    self._publish_oldest(oldest, publish)
+            ticket.future.set_result(self._published[ticket.generation])
+        except BaseException as exc:  # the frozen generations stay queued; a later seal retries them
+            ticket.future.set_exception(exc)
+
+    def _publish_oldest(self, frozen: _Generation, publish: Publisher) -> None:
         dirty = frozen.dirty_indices()
-        future: Future[str] = Future()
-        ticket = SealTicket(self.sid, frozen.gen, len(dirty), future, 0.0)
-        self.pending_seal = ticket
-
-        def job() -> None:
-            try:
-                future.set_result(self._finish_seal(frozen, dirty, publish))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        run(job)
-        return ticket
-
-    def _finish_seal(self, frozen: _Generation, dirty: list[int], publish: Publisher) -> str:
         new_base = publish(self, frozen.data_path, dirty, self.base) if dirty else self.base
         new_lower = self._relower(new_base) if new_base != self.base else self.lower
         self._lock.acquire_exclusive()
@@ -359,18 +366,18 @@ class UpperLayer:
                 self.layers.append(new_base)
             self.lower = new_lower
             self.base = new_base
-            self.sealing = None
+            self.sealing.remove(frozen)
         finally:
             self._lock.release_exclusive()
         with self._seal_lock:
+            self._published[frozen.gen] = new_base
             self._persist_state()
         frozen.remove()
-        return new_base
 
     def close(self) -> None:
         try:
             self.fsync()
         finally:
             self.current.close()
-            if self.sealing is not None:
-                self.sealing.close()
+            for frozen in self.sealing:
+                frozen.close()

@@ -104,7 +104,7 @@ def test_seal_publishes_exactly_the_dirty_chunks(env: Env) -> None:
     new_id = ticket.result(5)
     layer = env.store.get_layer(new_id)
     assert layer.parent == env.base_id and set(layer.chunks) == {1, 4} and layer.chunks[4] is None
-    assert up.base == new_id and up.layers == [new_id] and up.sealing is None
+    assert up.base == new_id and up.layers == [new_id] and up.sealing == []
     assert up.read(0, up.size) == before
     env.store.set_ref("sealed:v1", new_id)
     export_image(env.store, "sealed:v1", env.tmp / "sealed.img")
@@ -151,11 +151,51 @@ def test_interrupted_seal_resumes_after_restart(env: Env) -> None:
     up.write(7, b"sealme")
     jobs: list = []
     up.seal(env.publish, jobs.append)  # switched, never published: the process "dies"
-    assert up.sealing is not None
+    up.write(100, b"second")
+    up.seal(env.publish, jobs.append)
+    assert len(up.sealing) == 2
     again = env.reopen("a")
-    assert again.read(7, 6) == b"sealme"  # visible through the sealing generation
-    ticket = again.resume_seal(env.publish, run_now)
-    assert ticket is not None
-    new_id = ticket.result(5)
-    assert env.store.get_layer(new_id).parent == env.base_id
-    assert again.sealing is None and again.read(7, 6) == b"sealme"
+    assert again.read(7, 6) == b"sealme" and again.read(100, 6) == b"second"  # through the frozen generations
+    tickets = again.resume_seals(env.publish, run_now)
+    first, second = (t.result(5) for t in tickets)
+    assert env.store.get_layer(first).parent == env.base_id
+    assert env.store.get_layer(second).parent == first
+    assert again.sealing == [] and again.layers == [first, second]
+    assert again.read(7, 6) == b"sealme" and again.read(100, 6) == b"second"
+
+
+def test_back_to_back_seals_queue_and_publish_in_order(env: Env) -> None:
+    up = env.new_upper("a")
+    jobs: list = []
+    tickets = []
+    for i in range(5):
+        up.write(i * CS + 1, f"gen{i}".encode())
+        tickets.append(up.seal(env.publish, jobs.append))  # no refusal while earlier seals are queued
+        up.write(i * CS + 1, f"GEN{i}".encode())  # overwritten after the seal: must not leak into it
+    assert len(up.sealing) == 5
+    for job in reversed(jobs):  # even run out of order, layers chain oldest first
+        job()
+    ids = [t.result(5) for t in tickets]
+    assert up.layers == ids and up.sealing == []
+    for i, manifest_id in enumerate(ids):
+        assert env.store.get_layer(manifest_id).parent == (ids[i - 1] if i else env.base_id)
+        view = env.view(manifest_id)
+        assert view.read(i * CS + 1, 4) == f"gen{i}".encode()
+    assert up.read(4 * CS + 1, 4) == b"GEN4"
+
+
+def test_failed_publication_stays_queued_and_retries(env: Env) -> None:
+    up = env.new_upper("a")
+    up.write(5, b"keep")
+
+    def broken(*args):  # noqa: ANN002, ANN202
+        raise RuntimeError("store down")
+
+    ticket = up.seal(broken, run_now)
+    with pytest.raises(RuntimeError):
+        ticket.result(5)
+    assert len(up.sealing) == 1 and up.read(5, 4) == b"keep"
+    retry = up.seal(env.publish, run_now)  # the next seal publishes both, in order
+    manifest_id = retry.result(5)
+    assert up.sealing == [] and len(up.layers) == 1  # the second generation was empty
+    assert env.view(manifest_id).read(5, 4) == b"keep"
