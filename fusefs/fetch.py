@@ -89,6 +89,20 @@ class ChunkFetcher:
             return whole
         return whole[offset : offset + length if length >= 0 else None]
 
+    def read_ready(self, digest: str, offset: int, length: int, *, max_disk_read: int = 64 << 10) -> bytes | None:
+        """The bytes if they can be had without fetching or hashing, else None.
+
+        Reads from the cache file only up to `max_disk_read` bytes: the caller
+        runs on the event loop, and a large pread that misses the page cache
+        would hold up every other request.
+        """
+        whole = self._recall(digest)
+        if whole is not None:
+            return whole[offset : offset + length]
+        if length > max_disk_read:
+            return None
+        return self.cache.read_verified(digest, offset, length)
+
     def fetch(self, digest: str) -> bytes:
         """The whole verified chunk, fetched once however many callers ask at once."""
         with self._lock:

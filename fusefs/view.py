@@ -56,6 +56,20 @@ class LayerView:
             pos += n
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def read_ready(self, offset: int, length: int) -> bytes | None:
+        """A read within one chunk served without I/O waits (hole, memory or
+        verified cache entry), or None when it needs the slow path."""
+        end = min(self.size, offset + length)
+        if offset < 0 or offset >= end:
+            return b""
+        index, inner = divmod(offset, self.chunk_size)
+        if (end - 1) // self.chunk_size != index:
+            return None
+        digest = self.chunks.get(index)
+        if digest is None:
+            return self._zero[: end - offset] if end - offset < self.chunk_size else self._zero
+        return self.fetcher.read_ready(digest, inner, end - offset)
+
     def zeros_if_hole(self, offset: int, length: int) -> bytes | None:
         """Zeros for a range that touches no stored chunk, else None (cheap: no I/O)."""
         chunks = self.chunks
