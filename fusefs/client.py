@@ -6,7 +6,6 @@ Used by the CLI (`strata mount`, `strata umount`, `strata layer ...`,
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import select
@@ -61,27 +60,33 @@ def call(
     return reply
 
 
-def _mounted_paths() -> set[str]:
+def _strata_mounts() -> set[str]:
+    """Mount points of Strata FUSE filesystems (fstype fuse.strata) in this namespace."""
+    found = set()
     with open("/proc/self/mountinfo") as f:
-        return {line.split()[4] for line in f if len(line.split()) > 4}
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) > 4 and right.split()[:1] == ["fuse.strata"]:
+                found.add(fields[4])
+    return found
 
 
 def clear_stale_mount(mountpoint: str | os.PathLike[str]) -> bool:
-    """Detach a FUSE mount whose daemon died (SIGKILL, crash); True if one was cleared.
+    """Detach a Strata mount whose daemon is gone (SIGKILL, crash); True if one was cleared.
 
     A dead FUSE mount answers every access with ENOTCONN ("Transport endpoint
-    is not connected") until it is unmounted; remounting over it needs that
-    first. A live daemon is never touched.
+    is not connected") until it is unmounted, and remounting needs it gone.
+    Only a Strata mount whose control socket no longer answers is touched.
     """
     path = os.path.abspath(mountpoint)
-    if path not in _mounted_paths():
+    if path not in _strata_mounts():
         return False
     try:
-        os.stat(path)
-        return False  # alive (or not FUSE): leave it
-    except OSError as exc:
-        if exc.errno != errno.ENOTCONN:
-            return False
+        call(path, {"op": "ping"}, timeout=5)
+        return False  # a live daemon serves it
+    except DaemonError:
+        pass
     result = subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True, text=True)
     if result.returncode != 0:
         raise DaemonError(f"{path}: stale FUSE mount could not be detached: {result.stderr.strip()}")

@@ -176,7 +176,15 @@ def test_sigkill_then_remount_keeps_fsynced_writes(mount: Mount) -> None:
         os.pwrite(f.fileno(), b"synced", 4096)
         os.fsync(f.fileno())
     os.kill(mount.pid, signal.SIGKILL)
-    time.sleep(0.5)
+    for _ in range(200):
+        try:
+            os.kill(mount.pid, 0)
+            time.sleep(0.05)
+        except ProcessLookupError:
+            break
+    with pytest.raises(OSError) as e:
+        os.stat(disk)
+    assert e.value.errno == errno.ENOTCONN  # the dead mount a crash leaves behind
     mount.start()  # clears the dead mount and mounts again
     with open(disk, "rb") as f:
         f.seek(4096)
