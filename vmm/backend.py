@@ -1,0 +1,63 @@
+"""The one interface every VMM backend implements (QEMU here, Firecracker later).
+
+The rest of Strata asks a backend to start a VM from a `VmSpec` and then
+drives the returned `Vm`: pause, resume, save its state, kill. Storage
+(FUSE disks, layers, snapshots) stays outside: a backend only sees paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .agent import Agent
+
+DEFAULT_CMDLINE = "console=ttyS0 quiet panic=-1"
+
+
+@dataclass(frozen=True)
+class VmSpec:
+    """What to run. `workdir` holds the VM's sockets and logs (one per VM)."""
+
+    kernel: Path
+    initrd: Path
+    disk: Path
+    workdir: Path
+    memory_mib: int = 256
+    cpus: int = 1
+    cmdline: str = DEFAULT_CMDLINE
+    incoming: Path | None = None  # device+memory state to restore instead of booting
+    extra: tuple[str, ...] = field(default_factory=tuple)
+
+
+class Vm(Protocol):
+    """A running (or paused) VM. Obligations:
+    - `agent` talks to the guest agent; `wait_ready` returned before `start` did;
+    - `pause`/`resume` stop and continue the vCPUs;
+    - `save_state(path)` requires a paused VM and writes everything needed to
+      restore it (device state and memory) to `path`;
+    - `kill` stops the VM and frees its resources; calling it twice is fine.
+    """
+
+    pid: int
+    agent: Agent
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def save_state(self, path: Path) -> None: ...
+
+    def status(self) -> str: ...
+
+    def kill(self) -> None: ...
+
+
+class VmmBackend(Protocol):
+    name: str
+
+    def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> Vm:
+        """Start (or restore) a VM and return once its agent answers; on any
+        failure the VM is killed before the error propagates."""
+        ...

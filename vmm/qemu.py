@@ -1,0 +1,169 @@
+"""The QEMU backend: `qemu-system-x86_64` driven over QMP.
+
+KVM when `vmm.accel.detect` says it can run a stock guest, else TCG with one
+warning line. Never `-cpu host` (fails on MSR 0x10a on the PVM hosts).
+The command line (see vmm/guest/README.md for why each piece):
+
+    qemu-system-x86_64 -M pc,accel=tcg -m 256 -smp 1 -nodefaults -no-user-config
+      -display none -no-reboot -serial file:console.log
+      -kernel vmlinuz -initrd initramfs.cpio.gz -append 'console=ttyS0 quiet panic=-1'
+      -device virtio-serial-pci -chardev socket,id=agent,path=agent.sock,server=on,wait=off
+      -device virtserialport,chardev=agent,name=strata.agent
+      -qmp unix:qmp.sock,server=on,wait=off
+      -drive file=DISK,format=raw,if=virtio,cache=none
+      [-incoming 'exec:cat STATE']
+
+The disk is opened with cache=none (O_DIRECT), the path the FUSE mount is
+fastest on. Snapshots are QEMU migration streams written with `exec:cat`
+(QEMU 7.2 has no `file:` URI).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from layerstore.errors import StrataError
+
+from .accel import Accel, detect
+from .agent import Agent
+from .backend import VmSpec
+from .qmp import QMP, QMPError
+
+log = logging.getLogger("strata.vmm")
+QEMU_BINARY = "qemu-system-x86_64"
+
+
+class VmmError(StrataError):
+    """A VM could not be started, controlled or saved."""
+
+
+class QemuVm:
+    def __init__(self, proc: subprocess.Popen, spec: VmSpec, qmp: QMP, agent: Agent) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.spec = spec
+        self.qmp = qmp
+        self.agent = agent
+
+    def status(self) -> str:
+        return str(self.qmp.execute("query-status")["status"])
+
+    def pause(self) -> None:
+        self.qmp.execute("stop")
+
+    def resume(self) -> None:
+        self.qmp.execute("cont")
+
+    def save_state(self, path: Path) -> None:
+        if self.status() not in ("paused", "postmigrate"):
+            raise VmmError("save_state needs a paused VM")
+        self.qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
+        self.qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            info = self.qmp.execute("query-migrate")
+            state = info.get("status")
+            if state == "completed":
+                return
+            if state in ("failed", "cancelled"):
+                raise VmmError(f"saving VM state failed: {info.get('error-desc', state)}")
+            time.sleep(0.01)
+        raise VmmError("saving VM state did not finish within 300 s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.qmp.execute("quit", timeout=5)
+            except (QMPError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.qmp.close()
+        self.agent.close()
+
+
+class QemuBackend:
+    name = "qemu"
+
+    def __init__(self, *, binary: str | None = None, accel: Accel | None = None) -> None:
+        self.binary = binary or shutil.which(QEMU_BINARY) or QEMU_BINARY
+        self.accel = accel or detect()
+        if self.accel.name == "tcg":
+            log.warning("%s", self.accel.reason)
+
+    def argv(self, spec: VmSpec) -> list[str]:
+        w = spec.workdir
+        argv = [
+            self.binary, "-M", self.accel.qemu_machine, "-m", str(spec.memory_mib), "-smp", str(spec.cpus),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-serial", f"file:{w / 'console.log'}",
+            "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline,
+            "-device", "virtio-serial-pci",
+            "-chardev", f"socket,id=agent,path={w / 'agent.sock'},server=on,wait=off",
+            "-device", "virtserialport,chardev=agent,name=strata.agent",
+            "-qmp", f"unix:{w / 'qmp.sock'},server=on,wait=off",
+            "-drive", f"file={spec.disk},format=raw,if=virtio,cache=none",
+        ]
+        if spec.incoming is not None:
+            argv += ["-incoming", f"exec:cat {shlex.quote(str(spec.incoming))}"]
+        return argv + list(spec.extra)
+
+    def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> QemuVm:
+        if shutil.which(self.binary) is None and not os.path.exists(self.binary):
+            raise VmmError(f"VMM binary {self.binary} not found (apt-get install qemu-system-x86)")
+        for path, what in ((spec.kernel, "kernel"), (spec.initrd, "initrd"), (spec.disk, "disk")):
+            if not Path(path).exists():
+                raise VmmError(f"{what} {path} does not exist")
+        if spec.incoming is not None and not spec.incoming.exists():
+            raise VmmError(f"VM state {spec.incoming} does not exist")
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        for name in ("agent.sock", "qmp.sock"):
+            (spec.workdir / name).unlink(missing_ok=True)
+        with open(spec.workdir / "qemu.log", "ab") as qlog:
+            proc = subprocess.Popen(self.argv(spec), stdin=subprocess.DEVNULL, stdout=qlog, stderr=qlog,
+                                    start_new_session=True)
+        qmp = agent = None
+        try:
+            qmp = QMP(spec.workdir / "qmp.sock", timeout=30)
+            if spec.incoming is not None:
+                deadline = time.monotonic() + ready_timeout
+                while qmp.execute("query-status")["status"] == "inmigrate":
+                    if time.monotonic() > deadline:
+                        raise VmmError("restoring VM state did not finish in time")
+                    time.sleep(0.01)
+                qmp.execute("cont")
+            agent = Agent(spec.workdir / "agent.sock")
+            try:
+                agent.wait_ready(ready_timeout)
+            except StrataError:
+                try:
+                    proc.wait(timeout=2)  # a guest that died takes QEMU down with it (-no-reboot)
+                except subprocess.TimeoutExpired:
+                    pass
+                if proc.poll() is not None:
+                    raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
+                raise
+            return QemuVm(proc, spec, qmp, agent)
+        except BaseException as exc:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            if qmp is not None:
+                qmp.close()
+            if agent is not None:
+                agent.close()
+            tail = (spec.workdir / "qemu.log").read_text(errors="replace").strip().splitlines()[-1:]
+            detail = f" (qemu: {tail[0]})" if tail else ""
+            if isinstance(exc, StrataError):
+                raise VmmError(f"{exc}{detail}; VM killed") from None
+            raise
