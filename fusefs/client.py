@@ -18,7 +18,7 @@ from typing import Any
 
 from layerstore.errors import InvalidInput, StrataError
 
-from .daemon import check_mountpoint, control_socket
+from .control import check_mountpoint, control_socket
 
 
 class DaemonError(StrataError):

@@ -16,7 +16,6 @@ seal {sid, wait}, record_prefetch {image}, cache_drop, shutdown.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from layerstore.refs import Ref, parse_ref
 from layerstore.store import Store, open_store, state_dir
 
 from .cache import ChunkCache
+from .control import check_mountpoint, control_socket
 from .fetch import ChunkFetcher
 from .fs import StrataFS
 from .upper import SealTicket, UpperLayer, check_sid
@@ -47,22 +47,6 @@ from .view import LayerView
 
 log = logging.getLogger("strata.fusefs")
 PREFETCH_PREFIX = "prefetch/"
-
-
-def run_dir(env: dict[str, str] | None = None) -> Path:
-    """Where control sockets live (STRATA_RUN_DIR, else /run/strata as root)."""
-    env = dict(os.environ if env is None else env)
-    if env.get("STRATA_RUN_DIR"):
-        return Path(env["STRATA_RUN_DIR"])
-    if os.geteuid() == 0:
-        return Path("/run/strata")
-    return Path(env.get("XDG_RUNTIME_DIR") or f"/tmp/strata-{os.getuid()}") / "strata"
-
-
-def control_socket(mountpoint: str | os.PathLike[str], env: dict[str, str] | None = None) -> Path:
-    """The control socket of the daemon serving `mountpoint` (by its real path)."""
-    real = os.path.realpath(mountpoint)
-    return run_dir(env) / f"mount-{hashlib.blake2b(real.encode(), digest_size=8).hexdigest()}.sock"
 
 
 class Catalogue:
@@ -375,16 +359,6 @@ def set_read_ahead(mountpoint: Path, kib: int) -> bool:
     except OSError as exc:
         log.info("read-ahead left at the kernel default: %s", exc)
     return False
-
-
-def check_mountpoint(mountpoint: Path) -> Path:
-    if not mountpoint.exists():
-        raise InvalidInput(f"mount point {mountpoint} does not exist")
-    if not mountpoint.is_dir():
-        raise InvalidInput(f"mount point {mountpoint} is not a directory")
-    if os.path.ismount(mountpoint):
-        raise InvalidInput(f"{mountpoint} is already a mount point (strata umount it first)")
-    return mountpoint.resolve()
 
 
 def serve(args: argparse.Namespace, ready: Callable[[], None]) -> None:

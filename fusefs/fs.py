@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pyfuse3
 import trio
@@ -36,6 +36,9 @@ from layerstore.refs import parse_ref
 
 from .upper import UpperLayer
 from .view import LayerView
+
+if TYPE_CHECKING:
+    from .daemon import Catalogue
 
 log = logging.getLogger("strata.fusefs")
 
@@ -78,7 +81,7 @@ class StrataFS(pyfuse3.Operations):
 
     enable_writeback_cache = False
 
-    def __init__(self, catalogue: "Catalogue") -> None:  # noqa: F821 - defined in daemon.py
+    def __init__(self, catalogue: Catalogue) -> None:
         super().__init__()
         self.cat = catalogue
         self._nodes: dict[int, Node] = {}

@@ -20,6 +20,7 @@ import pytest
 from botocore.config import Config
 
 from layerstore.backend import Backend
+from layerstore.store import Store
 from layerstore.localdir import LocalDirBackend
 from layerstore.s3 import S3Backend, S3Config
 from tests.seaweedfs_server import SeaweedFS, find_weed
@@ -128,12 +129,10 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
 
 
 @pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator["Store"]:
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """A `Store` over each backend, with its own catalog."""
     from layerstore.backend import RetryingBackend
     from layerstore.catalog import Catalog
-    from layerstore.store import Store
-
     b = make_backend(request.param, tmp_path, request)
     s = Store(RetryingBackend(b, attempts=2, base_delay=0.01), Catalog(tmp_path / "catalog"))
     s.kind = request.param  # type: ignore[attr-defined]
