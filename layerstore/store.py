@@ -5,6 +5,7 @@ order that keeps readers safe:
 
     chunks/<aa>/<digest>    zstd frame of a chunk (layerstore/chunk.py)
     manifests/<id>          canonical layer manifest (layerstore/manifest.py)
+    snapshots/<id>          canonical snapshot manifest (layerstore/snapshot.py)
     refs/<name>/<tag>       {"manifest": id, ...} (layerstore/refs.py)
 
 1. chunks are put (durable when `put` returns);
@@ -30,11 +31,12 @@ from typing import Iterable, Mapping
 from .backend import Backend, RetryingBackend
 from .catalog import Catalog
 from .chunk import DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decode_chunk, encode_chunk
-from .digest import check_digest
+from .digest import check_digest, digest_bytes
 from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
 from .refs import Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
+from .snapshot import Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
 
 DEFAULT_STATE_DIR = "~/.local/state/strata"
 
@@ -140,6 +142,35 @@ class Store:
         self.backend.put(manifest_key(manifest_id), blob)
         self.catalog.put_manifest(manifest_id, blob)
         return manifest_id
+
+    # snapshots ----------------------------------------------------------------
+    def put_snapshot(self, snap: Snapshot) -> str:
+        """Publish a snapshot after confirming every layer it names, and its parent, exist."""
+        blob = snap.encode()
+        snapshot_id = digest_bytes(blob)
+        wanted = {manifest_key(layer_id) for layer_id in snap.layer_ids()}
+        missing = wanted - self.backend.has_many(wanted)
+        if missing:
+            raise NotFound(
+                f"refusing to publish snapshot {snapshot_id}: {len(missing)} layer manifest(s) it names are missing "
+                f"(e.g. {sorted(missing)[0]})"
+            )
+        if snap.parent is not None and self.backend.stat(snapshot_key(snap.parent)) is None:
+            raise NotFound(f"refusing to publish snapshot {snapshot_id}: parent snapshot {snap.parent} is missing")
+        self.backend.put(snapshot_key(snapshot_id), blob)
+        return snapshot_id
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        """Load and verify a snapshot manifest."""
+        try:
+            blob = self.backend.get(snapshot_key(snapshot_id))
+        except NotFound:
+            raise NotFound(f"snapshot {snapshot_id} not found in {self.describe()}") from None
+        return parse_snapshot(snapshot_id, blob)
+
+    def list_snapshots(self) -> list[str]:
+        """Ids of every snapshot in the store."""
+        return sorted(key.split("/", 1)[1] for key, _ in self.backend.list("snapshots/") if is_snapshot_key(key))
 
     # refs ---------------------------------------------------------------------
     def resolve(self, ref: Ref | str) -> str:

@@ -17,6 +17,7 @@ from .digest import is_digest
 from .errors import CorruptObject, NotFound, StrataError
 from .manifest import Layer, parse_manifest
 from .refs import decode_ref_target, ref_from_key
+from .snapshot import is_snapshot_key, parse_snapshot
 from .store import Store
 
 
@@ -79,6 +80,19 @@ def verify_store(
     for manifest_id, layer in layers.items():
         if layer.parent is not None and layer.parent not in layers:
             report.bad_manifests.append(f"manifest {manifest_id}: parent {layer.parent} is missing")
+    for key, _size in backend.list("snapshots/"):
+        snapshot_id = key.rsplit("/", 1)[-1]
+        report.manifests += 1
+        try:
+            snap = parse_snapshot(snapshot_id, backend.get(key)) if is_snapshot_key(key) else None
+        except (CorruptObject, NotFound) as exc:
+            report.bad_manifests.append(str(exc))
+            continue
+        if snap is None:
+            report.bad_manifests.append(f"stray object {key}")
+            continue
+        for layer_id in sorted(snap.layer_ids() - set(layers)):
+            report.bad_manifests.append(f"snapshot {snapshot_id}: layer {layer_id} is missing or corrupt")
     for key, _size in backend.list("refs/"):
         report.refs += 1
         ref = ref_from_key(key)
