@@ -3,6 +3,7 @@
     MOUNT/
       images/NAME:TAG/disk.img        read-only, lazily fetched
       layers/<manifest id>/disk.img   any layer stack by id, read-only
+      snapshots/<id>/{disk.img,memory,state}   a VM snapshot's layers, read-only
       sandboxes/SID/disk.img          copy-on-write over an image (read-write)
 
 This module only translates FUSE requests into calls on `Node` objects;
@@ -95,6 +96,7 @@ class StrataFS(pyfuse3.Operations):
         self._nodes[root.inode] = root
         self.images = self._mkdir(root, "images")
         self.layers = self._mkdir(root, "layers")
+        self.snapshots = self._mkdir(root, "snapshots")
         self.sandboxes = self._mkdir(root, "sandboxes")
 
     # tree -------------------------------------------------------------------
@@ -168,6 +170,30 @@ class StrataFS(pyfuse3.Operations):
             self._mkfile(d, "disk.img", view=view)
             return d
 
+    def _snapshot_dir(self, snapshot_id: str) -> Node | None:
+        """snapshots/<id>/{disk.img,memory,state}: a snapshot's three layers, read-only."""
+        with self._lock:
+            inode = self.snapshots.children.get(snapshot_id)
+            if inode is not None:
+                return self._nodes[inode]
+        if not is_digest(snapshot_id):
+            return None
+        try:
+            snap = self.cat.store.get_snapshot(snapshot_id)
+            views = {name: self.cat.view_for_manifest(snap.layers[role])
+                     for name, role in (("disk.img", "disk"), ("memory", "memory"), ("state", "state"))}
+        except (NotFound, CorruptObject) as exc:
+            log.warning("snapshot %s not served: %s", snapshot_id, exc)
+            return None
+        with self._lock:
+            inode = self.snapshots.children.get(snapshot_id)
+            if inode is not None:
+                return self._nodes[inode]
+            d = self._mkdir(self.snapshots, snapshot_id, key=f"snapshot:{snapshot_id}")
+            for name, view in views.items():
+                self._mkfile(d, name, view=view)
+            return d
+
     def _node(self, inode: int) -> Node:
         node = self._nodes.get(inode)
         if node is None:
@@ -210,6 +236,9 @@ class StrataFS(pyfuse3.Operations):
         elif inode is None and parent is self.layers:
             d = await trio.to_thread.run_sync(self._layer_dir, text)
             inode = d.inode if d else None
+        elif inode is None and parent is self.snapshots:
+            d = await trio.to_thread.run_sync(self._snapshot_dir, text)
+            inode = d.inode if d else None
         if inode is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._attrs(self._node(inode))
@@ -231,7 +260,16 @@ class StrataFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if node is self.images:
             await trio.to_thread.run_sync(self._refresh_images)
+        elif node is self.snapshots:
+            await trio.to_thread.run_sync(self._refresh_snapshots)
         return inode
+
+    def _refresh_snapshots(self) -> None:
+        try:
+            for snapshot_id in self.cat.store.list_snapshots():
+                self._snapshot_dir(snapshot_id)
+        except StrataError as exc:
+            log.warning("listing snapshots failed: %s", exc)
 
     def _refresh_images(self) -> None:
         try:

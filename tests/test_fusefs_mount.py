@@ -86,7 +86,7 @@ def test_lazy_reads_fetch_only_what_is_read(mount: Mount) -> None:
         assert 1 <= fetched <= 1 + 8  # the chunk read, plus at most the read-ahead window
         assert f.read() == content  # whole file, bit-exact
         assert os.pread(f.fileno(), 10, len(content) + 5) == b""  # past EOF
-    assert sorted(os.listdir(mount.mnt)) == ["images", "layers", "sandboxes"]
+    assert sorted(os.listdir(mount.mnt)) == ["images", "layers", "sandboxes", "snapshots"]
     assert "lazy:v1" in os.listdir(mount.mnt / "images")
 
 
@@ -285,3 +285,30 @@ def test_cache_stats_without_a_daemon(mount: Mount) -> None:
     assert r["entries"] == 2 and r["size"] == 2 * MiB
     r = mount.strata("cache", "stats", "--cache-dir", str(mount.tmp / "nope"), check=False)
     assert r.returncode == 1 and "no chunk cache" in r.stderr
+
+
+def test_snapshot_layers_are_served(mount: Mount) -> None:
+    from layerstore.importer import import_image
+    from layerstore.snapshot import Snapshot
+    from layerstore.store import open_store
+
+    contents = {}
+    with open_store(str(mount.tmp / "store")) as store:
+        ids = {}
+        for i, role in enumerate(("disk", "memory", "state", "kernel", "initrd")):
+            contents[role] = write_image(mount.tmp / f"{role}.img", "rz", seed=20 + i)
+            ids[role] = import_image(store, mount.tmp / f"{role}.img").manifest_id
+        snapshot_id = store.put_snapshot(Snapshot(
+            layers={r: ids[r] for r in ("disk", "memory", "state")},
+            vm={"backend": "qemu", "cmdline": "x", "cpus": 1, "memory_mib": 128, "kernel": ids["kernel"],
+                "initrd": ids["initrd"]}))
+    mount.start()
+    d = mount.mnt / "snapshots" / snapshot_id
+    assert sorted(os.listdir(d)) == ["disk.img", "memory", "state"]
+    assert (d / "disk.img").read_bytes() == contents["disk"]
+    assert (d / "memory").read_bytes() == contents["memory"]
+    assert (d / "state").read_bytes() == contents["state"]
+    assert snapshot_id in os.listdir(mount.mnt / "snapshots")
+    assert not (mount.mnt / "snapshots" / ("ab" * 32)).exists()
+    with pytest.raises(OSError):
+        open(d / "memory", "r+b")
