@@ -56,6 +56,10 @@ class Node:
     upper: UpperLayer | None = None
     children: dict[str, int] = field(default_factory=dict)
     key: str = ""  # e.g. "image:NAME:TAG", "sandbox:SID"
+    # a read-only file that may still be opened read-write, for a VMM that maps
+    # it privately (copy-on-write): QEMU opens memory-backend-file O_RDWR even
+    # with share=off. Writes through write() are still refused.
+    private_map: bool = False
 
     @property
     def writable(self) -> bool:
@@ -191,7 +195,7 @@ class StrataFS(pyfuse3.Operations):
                 return self._nodes[inode]
             d = self._mkdir(self.snapshots, snapshot_id, key=f"snapshot:{snapshot_id}")
             for name, view in views.items():
-                self._mkfile(d, name, view=view)
+                self._mkfile(d, name, view=view).private_map = name == "memory"
             return d
 
     def _node(self, inode: int) -> Node:
@@ -294,7 +298,7 @@ class StrataFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        if flags & (os.O_WRONLY | os.O_RDWR) and not node.writable:
+        if flags & (os.O_WRONLY | os.O_RDWR) and not (node.writable or node.private_map):
             raise pyfuse3.FUSEError(errno.EROFS)
         if flags & os.O_TRUNC:
             raise pyfuse3.FUSEError(errno.EPERM)

@@ -311,4 +311,8 @@ def test_snapshot_layers_are_served(mount: Mount) -> None:
     assert snapshot_id in os.listdir(mount.mnt / "snapshots")
     assert not (mount.mnt / "snapshots" / ("ab" * 32)).exists()
     with pytest.raises(OSError):
-        open(d / "memory", "r+b")
+        open(d / "state", "r+b")
+    with open(d / "memory", "r+b", buffering=0) as f:  # a VMM maps it privately: opening rw is allowed...
+        with pytest.raises(OSError) as e:
+            f.write(b"x")  # ...but nothing is ever written to it
+        assert e.value.errno == errno.EROFS

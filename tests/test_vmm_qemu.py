@@ -127,3 +127,43 @@ def test_missing_binary_and_silent_guest_fail_cleanly(guest: Path, tmp_path: Pat
     assert time.monotonic() - started < 60
     out = subprocess.run(["pgrep", "-f", str(tmp_path / "b")], capture_output=True, text=True)
     assert out.stdout.strip() == ""  # no QEMU left behind
+
+
+@needs_qemu
+def test_snapshot_kill_restore_on_a_fresh_mount(tmp_path: Path, guest: Path) -> None:
+    """Write a file and start a counter in the guest, snapshot, kill, then restore
+    on a fresh mount with an empty cache: both the file and the process survive."""
+    from layerstore.store import open_store
+    from vmm.sandbox import Sandboxes
+
+    m = Mount(tmp_path, cache_size="512M")
+    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    m.start()
+    backend = QemuBackend(accel=detect())
+    store = open_store(str(tmp_path / "store"))
+    boxes = Sandboxes(store, m.mnt, backend, guest_dir=guest, work_root=tmp_path / "work", control_env=m.env)
+    try:
+        sb = boxes.boot("src", "guest:v1")
+        assert sb.vm.agent.run("echo kept-on-disk > /root/file && sync").exit_code == 0
+        sb.vm.agent.run("(i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 &")
+        time.sleep(1)
+        snapshot_id = boxes.snapshot("src", resume=False)
+        before = sb.timings
+        boxes.kill("src")
+        assert snapshot_id in store.list_snapshots()
+        # a fresh mount with an empty cache, as on another node
+        m.stop()
+        shutil.rmtree(tmp_path / "cache")
+        m.start()
+        restored = boxes.restore(snapshot_id, "copy")
+        assert restored.vm.agent.run("cat /root/file").output.strip() == "kept-on-disk"
+        first = int(restored.vm.agent.run("cat /tmp/counter").output)
+        time.sleep(0.5)
+        assert int(restored.vm.agent.run("cat /tmp/counter").output) > first > 0
+        assert set(before) >= {"capture", "seal", "publish"}
+        boxes.kill("copy")
+    finally:
+        for sid in list(boxes.running):
+            boxes.running[sid].vm.kill()
+        m.stop()
+        store.close()

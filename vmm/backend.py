@@ -27,7 +27,13 @@ class VmSpec:
     memory_mib: int = 256
     cpus: int = 1
     cmdline: str = DEFAULT_CMDLINE
-    incoming: Path | None = None  # device+memory state to restore instead of booting
+    incoming: Path | None = None  # device (+ memory) state to restore instead of booting
+    # Guest RAM as a file: snapshots then store RAM as a chunked layer and the
+    # state stream holds device state only. shared=True writes guest RAM into
+    # the file (a running sandbox); False maps it copy-on-write (a restore
+    # from a read-only, lazily fetched snapshot memory file).
+    memory_file: Path | None = None
+    memory_shared: bool = True
     extra: tuple[str, ...] = field(default_factory=tuple)
 
 

@@ -65,6 +65,9 @@ class QemuVm:
         if self.status() not in ("paused", "postmigrate"):
             raise VmmError("save_state needs a paused VM")
         self.qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
+        if self.spec.memory_file is not None:  # RAM lives in its file: stream device state only
+            self.qmp.execute("migrate-set-capabilities",
+                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
         self.qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -103,8 +106,18 @@ class QemuBackend:
 
     def argv(self, spec: VmSpec) -> list[str]:
         w = spec.workdir
+        machine = self.accel.qemu_machine
+        memory: list[str] = []
+        if spec.memory_file is not None:
+            machine += ",memory-backend=ram"
+            # shared: guest RAM writes land in the file; private: the file is
+            # mapped copy-on-write and never written, so it can be a snapshot's
+            # memory file on the FUSE mount, paged in lazily. (QEMU 7.2's
+            # readonly=on would make guest RAM read-only too, hanging the guest.)
+            mode = "share=on" if spec.memory_shared else "share=off"
+            memory = ["-object", f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={spec.memory_file},{mode}"]
         argv = [
-            self.binary, "-M", self.accel.qemu_machine, "-m", str(spec.memory_mib), "-smp", str(spec.cpus),
+            self.binary, "-M", machine, "-m", str(spec.memory_mib), "-smp", str(spec.cpus), *memory,
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-serial", f"file:{w / 'console.log'}",
             "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline,
@@ -115,7 +128,10 @@ class QemuBackend:
             "-drive", f"file={spec.disk},format=raw,if=virtio,cache=none",
         ]
         if spec.incoming is not None:
-            argv += ["-incoming", f"exec:cat {shlex.quote(str(spec.incoming))}"]
+            # with a RAM file the x-ignore-shared capability must be set before
+            # the stream is read, so the incoming side waits for QMP
+            incoming = "defer" if spec.memory_file is not None else f"exec:cat {shlex.quote(str(spec.incoming))}"
+            argv += ["-incoming", incoming]
         return argv + list(spec.extra)
 
     def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> QemuVm:
@@ -126,6 +142,8 @@ class QemuBackend:
                 raise VmmError(f"{what} {path} does not exist")
         if spec.incoming is not None and not spec.incoming.exists():
             raise VmmError(f"VM state {spec.incoming} does not exist")
+        if spec.memory_file is not None and not spec.memory_shared and not spec.memory_file.exists():
+            raise VmmError(f"memory file {spec.memory_file} does not exist")
         spec.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("agent.sock", "qmp.sock"):
             (spec.workdir / name).unlink(missing_ok=True)
@@ -135,6 +153,10 @@ class QemuBackend:
         qmp = agent = None
         try:
             qmp = QMP(spec.workdir / "qmp.sock", timeout=30)
+            if spec.incoming is not None and spec.memory_file is not None:
+                qmp.execute("migrate-set-capabilities",
+                            {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+                qmp.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(spec.incoming))}"})
             if spec.incoming is not None:
                 deadline = time.monotonic() + ready_timeout
                 while qmp.execute("query-status")["status"] == "inmigrate":
