@@ -167,3 +167,38 @@ def test_snapshot_kill_restore_on_a_fresh_mount(tmp_path: Path, guest: Path) -> 
             boxes.running[sid].vm.kill()
         m.stop()
         store.close()
+
+
+@needs_qemu
+def test_fork_four_see_the_parent_then_diverge(tmp_path: Path, guest: Path) -> None:
+    from layerstore.errors import InvalidInput
+    from layerstore.store import open_store
+    from vmm.sandbox import Sandboxes
+
+    m = Mount(tmp_path, cache_size="512M")
+    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    m.start()
+    store = open_store(str(tmp_path / "store"))
+    boxes = Sandboxes(store, m.mnt, QemuBackend(accel=detect()), guest_dir=guest, work_root=tmp_path / "work",
+                      memory_mib=128, control_env=m.env)
+    try:
+        parent = boxes.boot("p", "guest:v1")
+        parent.vm.agent.run("echo from-parent > /root/shared && sync; echo 42 > /tmp/mem")
+        with pytest.raises(InvalidInput):
+            boxes.fork("p", 0)
+        forks = boxes.fork("p", 4)
+        assert [f.sid for f in forks] == ["p-fork1", "p-fork2", "p-fork3", "p-fork4"]
+        assert parent.vm.agent.run("echo alive").output.strip() == "alive"  # the source keeps running
+        for i, f in enumerate(forks):
+            out = f.vm.agent.run("cat /root/shared /tmp/mem").output.split()
+            assert out == ["from-parent", "42"], out
+            f.vm.agent.run(f"echo fork{i} > /root/own && sync")
+        parent.vm.agent.run("echo parent > /root/own && sync")
+        for i, f in enumerate(forks):
+            assert f.vm.agent.run("cat /root/own").output.strip() == f"fork{i}"
+        assert parent.vm.agent.run("cat /root/own").output.strip() == "parent"
+    finally:
+        for sid in list(boxes.running):
+            boxes.kill(sid)
+        m.stop()
+        store.close()

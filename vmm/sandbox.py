@@ -146,6 +146,22 @@ class Sandboxes:
         self.running[sid] = sandbox
         return sandbox
 
+    def fork(self, sid: str, count: int, *, prefix: str | None = None) -> list[Sandbox]:
+        """Snapshot `sid` once (it keeps running), then restore `count`
+        independent sandboxes from it, each with its own upper layer."""
+        if not 1 <= count <= 100:
+            raise InvalidInput(f"fork count {count} must be between 1 and 100")
+        snapshot_id = self.snapshot(sid, resume=True)
+        forks: list[Sandbox] = []
+        try:
+            for i in range(count):
+                forks.append(self.restore(snapshot_id, f"{prefix or sid}-fork{i + 1}"))
+        except BaseException:
+            for fork in forks:
+                self.kill(fork.sid)
+            raise
+        return forks
+
     def kill(self, sid: str) -> None:
         sandbox = self.running.pop(sid, None)
         if sandbox is None:
