@@ -4,6 +4,7 @@ failure paths (missing binary, guest that never answers)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -197,6 +198,50 @@ def test_fork_four_see_the_parent_then_diverge(tmp_path: Path, guest: Path) -> N
         for i, f in enumerate(forks):
             assert f.vm.agent.run("cat /root/own").output.strip() == f"fork{i}"
         assert parent.vm.agent.run("cat /root/own").output.strip() == "parent"
+    finally:
+        for sid in list(boxes.running):
+            boxes.kill(sid)
+        m.stop()
+        store.close()
+
+
+@needs_qemu
+def test_pause_while_writing_loses_nothing_and_missing_chunk_refuses_restore(tmp_path: Path, guest: Path) -> None:
+    from layerstore.chunk import chunk_key
+    from layerstore.errors import MissingChunk
+    from layerstore.store import open_store
+    from vmm.sandbox import Sandboxes
+
+    m = Mount(tmp_path, cache_size="512M")
+    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    m.start()
+    store = open_store(str(tmp_path / "store"))
+    boxes = Sandboxes(store, m.mnt, QemuBackend(accel=detect()), guest_dir=guest, work_root=tmp_path / "work",
+                      memory_mib=128, control_env=m.env)
+    try:
+        sb = boxes.boot("w", "guest:v1")
+        sb.vm.agent.run("(i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); echo $i >> /root/log; sync; done) "
+                        ">/dev/null 2>&1 &")
+        time.sleep(1)
+        sb.vm.pause()
+        time.sleep(1)
+        sb.vm.resume()
+        time.sleep(1)
+        sb.vm.agent.run("touch /tmp/stop; sleep 0.5; sync")
+        lines = sb.vm.agent.run("cat /root/log").output.split()
+        assert len(lines) > 5 and lines == [str(i) for i in range(1, len(lines) + 1)]  # no write lost or torn
+
+        snapshot_id = boxes.snapshot("w", resume=False)
+        boxes.kill("w")
+        memory = store.get_snapshot(snapshot_id).layers["memory"]
+        victim = sorted(store.chunk_map(memory)[1].values())[0]
+        store.backend.delete(chunk_key(victim))
+        with pytest.raises(MissingChunk, match=victim):
+            boxes.restore(snapshot_id, "broken")
+        assert "broken" not in boxes.running
+        rows = json.loads(m.strata("layer", "ls", "--mount", str(m.mnt), "--json").stdout)
+        assert [r["sid"] for r in rows] == []  # no half-created sandbox disk left
+        assert subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True).stdout == b""
     finally:
         for sid in list(boxes.running):
             boxes.kill(sid)

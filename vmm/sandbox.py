@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusefs.client import call
-from layerstore.errors import InvalidInput, NotFound
+from layerstore.errors import InvalidInput, MissingChunk, NotFound
 from layerstore.importer import import_image
 from layerstore.snapshot import Snapshot
 from layerstore.store import Store
@@ -125,6 +125,7 @@ class Sandboxes:
         if sid in self.running:
             raise InvalidInput(f"sandbox {sid} is already running")
         snap = self.store.get_snapshot(snapshot_id)
+        self._check_complete(snapshot_id, snap)
         self._call({"op": "sandbox_create", "sid": sid, "manifest": snap.layers["disk"]})
         served = self.mount / "snapshots" / snapshot_id
         work = self.work_root / sid
@@ -145,6 +146,23 @@ class Sandboxes:
                           last_memory=snap.layers["memory"], timings={"restore": time.monotonic() - started})
         self.running[sid] = sandbox
         return sandbox
+
+    def _check_complete(self, snapshot_id: str, snap: Snapshot) -> None:
+        """Refuse to start a VM whose memory or disk could fault on a missing chunk.
+
+        Guest memory pages in lazily: a chunk missing from the store would
+        surface as a crash mid-run. One batched existence check up front
+        turns that into a clear error before anything starts.
+        """
+        digests: set[str] = set()
+        for layer_id in snap.layer_ids():
+            digests.update(self.store.chunk_map(layer_id)[1].values())
+        missing = self.store.missing_chunks(digests)
+        if missing:
+            raise MissingChunk(
+                f"snapshot {snapshot_id} cannot be restored: {len(missing)} chunk(s) missing from "
+                f"{self.store.describe()} (e.g. {sorted(missing)[0]})"
+            )
 
     def fork(self, sid: str, count: int, *, prefix: str | None = None) -> list[Sandbox]:
         """Snapshot `sid` once (it keeps running), then restore `count`
