@@ -42,7 +42,7 @@ from typing import Callable
 
 from layerstore.errors import InvalidInput, NotFound, StrataError
 
-from .view import LayerView
+from .view import LayerView, chunk_spans
 
 _SID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -245,19 +245,14 @@ class UpperLayer:
         end = min(self.size, offset + length)
         if offset < 0 or offset >= end:
             return b""
-        cs = self.chunk_size
         parts: list[bytes] = []
         self._lock.acquire_shared()
         try:
-            pos = offset
-            while pos < end:
-                index, inner = divmod(pos, cs)
-                n = min(cs - inner, end - pos)
+            for index, inner, n, pos in chunk_spans(offset, end, self.chunk_size):
                 if self.current.is_dirty(index):
                     parts.append(os.pread(self.current.fd, n, pos))
                 else:
                     parts.append(self._read_below(index, inner, n))
-                pos += n
         finally:
             self._lock.release_shared()
         return b"".join(parts)
@@ -270,20 +265,15 @@ class UpperLayer:
         self._lock.acquire_shared()
         try:
             gen = self.current
-            pos, done = offset, 0
-            while done < len(data):
-                index, inner = divmod(pos, cs)
+            for index, inner, n, pos in chunk_spans(offset, offset + len(data), cs):
                 chunk_len = min(cs, self.size - index * cs)
-                n = min(chunk_len - inner, len(data) - done)
                 with self._chunk_lock(index):
                     if not gen.is_dirty(index):
                         if not (inner == 0 and n == chunk_len):
                             below = self._read_below(index, 0, chunk_len)
                             os.pwrite(gen.fd, below, index * cs)
                         gen.mark(index)
-                    os.pwrite(gen.fd, view[done : done + n], pos)
-                pos += n
-                done += n
+                    os.pwrite(gen.fd, view[pos - offset : pos - offset + n], pos)
         finally:
             self._lock.release_shared()
         return len(data)

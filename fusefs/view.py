@@ -8,8 +8,19 @@ Holes read as zeros without any fetch. Reads never go past the image size.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from .fetch import ChunkFetcher
+
+
+def chunk_spans(offset: int, end: int, chunk_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """Split [offset, end) at chunk boundaries: yields (index, offset in chunk, length, position)."""
+    pos = offset
+    while pos < end:
+        index, inner = divmod(pos, chunk_size)
+        n = min(chunk_size - inner, end - pos)
+        yield index, inner, n, pos
+        pos += n
 
 
 @dataclass
@@ -40,12 +51,8 @@ class LayerView:
         end = min(self.size, offset + length)
         if offset < 0 or offset >= end:
             return b""
-        cs = self.chunk_size
         parts: list[bytes] = []
-        pos = offset
-        while pos < end:
-            index, inner = divmod(pos, cs)
-            n = min(cs - inner, end - pos)
+        for index, inner, n, _pos in chunk_spans(offset, end, self.chunk_size):
             digest = self.chunks.get(index)
             if digest is None:
                 parts.append(self._zero[:n])
@@ -53,7 +60,6 @@ class LayerView:
                 if index not in self.touched:
                     self.touched[index] = None
                 parts.append(self.fetcher.read(digest, inner, n))
-            pos += n
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def read_ready(self, offset: int, length: int) -> bytes | None:
