@@ -39,6 +39,25 @@ MAX_SIZE = 1 << 50  # 1 PiB: far above any disk image, small enough to catch gar
 MAX_STACK_DEPTH = 256
 
 
+def canonical_json(body: Mapping[str, object]) -> bytes:
+    """The one encoding every manifest kind is hashed in: sorted keys, no spaces, UTF-8."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def check_hashes_to(what: str, object_id: str, blob: bytes) -> None:
+    """Refuse stored manifest bytes that are not exactly what `object_id` names."""
+    check_digest(object_id, what=f"{what} id")
+    actual = digest_bytes(blob)
+    if actual != object_id:
+        raise CorruptObject(f"{what} {object_id}: content hashes to {actual} (corrupt object)")
+
+
+def check_annotations(annotations: Mapping[str, str]) -> None:
+    for key, value in annotations.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidInput("annotations must map strings to strings")
+
+
 def check_chunk_size(chunk_size: int) -> int:
     """Return `chunk_size` if it is a power of two in [64 KiB, 16 MiB]."""
     if (
@@ -86,7 +105,7 @@ class Layer:
         }
         if self.annotations:
             body["annotations"] = dict(self.annotations)
-        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return canonical_json(body)
 
     def manifest_id(self) -> str:
         """blake3 of the canonical encoding."""
@@ -107,17 +126,12 @@ def _validate(layer: Layer) -> None:
             raise InvalidInput(f"chunk {index}: malformed digest {str(digest)[:80]!r}")
         if digest is None and layer.parent is None:
             raise InvalidInput(f"chunk {index}: whiteout in a layer without a parent")
-    for key, value in layer.annotations.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise InvalidInput("annotations must map strings to strings")
+    check_annotations(layer.annotations)
 
 
 def parse_manifest(manifest_id: str, blob: bytes) -> Layer:
     """Verify `blob` hashes to `manifest_id` and decode it, or raise CorruptObject."""
-    check_digest(manifest_id, what="manifest id")
-    actual = digest_bytes(blob)
-    if actual != manifest_id:
-        raise CorruptObject(f"manifest {manifest_id}: content hashes to {actual} (corrupt object)")
+    check_hashes_to("manifest", manifest_id, blob)
     try:
         body = json.loads(blob)
         if not isinstance(body, dict):

@@ -28,6 +28,7 @@ from typing import Mapping
 
 from .digest import check_digest, digest_bytes, is_digest
 from .errors import CorruptObject, InvalidInput
+from .manifest import canonical_json, check_annotations, check_hashes_to
 
 FORMAT_VERSION = 1
 LAYER_ROLES = ("disk", "memory", "state")
@@ -63,7 +64,7 @@ class Snapshot:
         }
         if self.annotations:
             body["annotations"] = dict(self.annotations)
-        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return canonical_json(body)
 
     def snapshot_id(self) -> str:
         return digest_bytes(self.encode())
@@ -88,17 +89,12 @@ def _validate(snap: Snapshot) -> None:
         check_digest(snap.vm[name], what=f"vm.{name} layer id")
     if snap.parent is not None:
         check_digest(snap.parent, what="parent snapshot id")
-    for key, value in snap.annotations.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise InvalidInput("annotations must map strings to strings")
+    check_annotations(snap.annotations)
 
 
 def parse_snapshot(snapshot_id: str, blob: bytes) -> Snapshot:
     """Verify `blob` hashes to `snapshot_id` and decode it, or raise CorruptObject."""
-    check_digest(snapshot_id, what="snapshot id")
-    actual = digest_bytes(blob)
-    if actual != snapshot_id:
-        raise CorruptObject(f"snapshot {snapshot_id}: content hashes to {actual} (corrupt object)")
+    check_hashes_to("snapshot", snapshot_id, blob)
     try:
         body = json.loads(blob)
         if not isinstance(body, dict) or body.get("v") != FORMAT_VERSION or body.get("kind") != "snapshot":
