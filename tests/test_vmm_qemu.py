@@ -9,16 +9,19 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
+from layerstore.store import Store, open_store
 from tests.conftest import IN_CI
 from tests.test_fusefs_mount import Mount
 from vmm.accel import detect
 from vmm.backend import VmSpec
 from vmm.qemu import QemuBackend, VmmError
+from vmm.sandbox import Sandboxes
 
 GUEST_DIR = Path(os.environ.get("STRATA_GUEST_DIR", "/var/tmp/strata-guest"))
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,120 +133,116 @@ def test_missing_binary_and_silent_guest_fail_cleanly(guest: Path, tmp_path: Pat
     assert out.stdout.strip() == ""  # no QEMU left behind
 
 
+@dataclass
+class Node:
+    """One node for sandbox tests: a store, its FUSE mount, and `Sandboxes` over both."""
+
+    mount: Mount
+    store: Store
+    boxes: Sandboxes
+
+
+@pytest.fixture
+def node(tmp_path: Path, guest: Path) -> Iterator[Callable[..., Node]]:
+    """Factory (so each test picks the guest's memory size); tears down every VM, the mount and the store."""
+    made: list[Node] = []
+
+    def make(memory_mib: int = 256) -> Node:
+        m = Mount(tmp_path, cache_size="512M")
+        m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+        m.start()
+        store = open_store(str(tmp_path / "store"))
+        boxes = Sandboxes(store, m.mnt, QemuBackend(accel=detect()), guest_dir=guest, work_root=tmp_path / "work",
+                          memory_mib=memory_mib, control_env=m.env)
+        made.append(Node(m, store, boxes))
+        return made[-1]
+
+    yield make
+    for n in made:
+        for sid in list(n.boxes.running):
+            n.boxes.kill(sid)
+        n.mount.stop()
+        n.store.close()
+
+
 @needs_qemu
-def test_snapshot_kill_restore_on_a_fresh_mount(tmp_path: Path, guest: Path) -> None:
+def test_snapshot_kill_restore_on_a_fresh_mount(tmp_path: Path, node: Callable[..., Node]) -> None:
     """Write a file and start a counter in the guest, snapshot, kill, then restore
     on a fresh mount with an empty cache: both the file and the process survive."""
-    from layerstore.store import open_store
-    from vmm.sandbox import Sandboxes
-
-    m = Mount(tmp_path, cache_size="512M")
-    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    n = node()
+    m, store, boxes = n.mount, n.store, n.boxes
+    sb = boxes.boot("src", "guest:v1")
+    assert sb.vm.agent.run("echo kept-on-disk > /root/file && sync").exit_code == 0
+    sb.vm.agent.run("(i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 &")
+    time.sleep(1)
+    snapshot_id = boxes.snapshot("src", resume=False)
+    before = sb.timings
+    boxes.kill("src")
+    assert snapshot_id in store.list_snapshots()
+    # a fresh mount with an empty cache, as on another node
+    m.stop()
+    shutil.rmtree(tmp_path / "cache")
     m.start()
-    backend = QemuBackend(accel=detect())
-    store = open_store(str(tmp_path / "store"))
-    boxes = Sandboxes(store, m.mnt, backend, guest_dir=guest, work_root=tmp_path / "work", control_env=m.env)
-    try:
-        sb = boxes.boot("src", "guest:v1")
-        assert sb.vm.agent.run("echo kept-on-disk > /root/file && sync").exit_code == 0
-        sb.vm.agent.run("(i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 &")
-        time.sleep(1)
-        snapshot_id = boxes.snapshot("src", resume=False)
-        before = sb.timings
-        boxes.kill("src")
-        assert snapshot_id in store.list_snapshots()
-        # a fresh mount with an empty cache, as on another node
-        m.stop()
-        shutil.rmtree(tmp_path / "cache")
-        m.start()
-        restored = boxes.restore(snapshot_id, "copy")
-        assert restored.vm.agent.run("cat /root/file").output.strip() == "kept-on-disk"
-        first = int(restored.vm.agent.run("cat /tmp/counter").output)
-        time.sleep(0.5)
-        assert int(restored.vm.agent.run("cat /tmp/counter").output) > first > 0
-        assert set(before) >= {"capture", "seal", "publish"}
-        boxes.kill("copy")
-    finally:
-        for sid in list(boxes.running):
-            boxes.running[sid].vm.kill()
-        m.stop()
-        store.close()
+    restored = boxes.restore(snapshot_id, "copy")
+    assert restored.vm.agent.run("cat /root/file").output.strip() == "kept-on-disk"
+    first = int(restored.vm.agent.run("cat /tmp/counter").output)
+    time.sleep(0.5)
+    assert int(restored.vm.agent.run("cat /tmp/counter").output) > first > 0
+    assert set(before) >= {"capture", "seal", "publish"}
+    boxes.kill("copy")
 
 
 @needs_qemu
-def test_fork_four_see_the_parent_then_diverge(tmp_path: Path, guest: Path) -> None:
+def test_fork_four_see_the_parent_then_diverge(node: Callable[..., Node]) -> None:
     from layerstore.errors import InvalidInput
-    from layerstore.store import open_store
-    from vmm.sandbox import Sandboxes
 
-    m = Mount(tmp_path, cache_size="512M")
-    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
-    m.start()
-    store = open_store(str(tmp_path / "store"))
-    boxes = Sandboxes(store, m.mnt, QemuBackend(accel=detect()), guest_dir=guest, work_root=tmp_path / "work",
-                      memory_mib=128, control_env=m.env)
-    try:
-        parent = boxes.boot("p", "guest:v1")
-        parent.vm.agent.run("echo from-parent > /root/shared && sync; echo 42 > /tmp/mem")
-        with pytest.raises(InvalidInput):
-            boxes.fork("p", 0)
-        forks = boxes.fork("p", 4)
-        assert [f.sid for f in forks] == ["p-fork1", "p-fork2", "p-fork3", "p-fork4"]
-        assert parent.vm.agent.run("echo alive").output.strip() == "alive"  # the source keeps running
-        for i, f in enumerate(forks):
-            out = f.vm.agent.run("cat /root/shared /tmp/mem").output.split()
-            assert out == ["from-parent", "42"], out
-            f.vm.agent.run(f"echo fork{i} > /root/own && sync")
-        parent.vm.agent.run("echo parent > /root/own && sync")
-        for i, f in enumerate(forks):
-            assert f.vm.agent.run("cat /root/own").output.strip() == f"fork{i}"
-        assert parent.vm.agent.run("cat /root/own").output.strip() == "parent"
-    finally:
-        for sid in list(boxes.running):
-            boxes.kill(sid)
-        m.stop()
-        store.close()
+    boxes = node(memory_mib=128).boxes
+    parent = boxes.boot("p", "guest:v1")
+    parent.vm.agent.run("echo from-parent > /root/shared && sync; echo 42 > /tmp/mem")
+    with pytest.raises(InvalidInput):
+        boxes.fork("p", 0)
+    forks = boxes.fork("p", 4)
+    assert [f.sid for f in forks] == ["p-fork1", "p-fork2", "p-fork3", "p-fork4"]
+    assert parent.vm.agent.run("echo alive").output.strip() == "alive"  # the source keeps running
+    for i, f in enumerate(forks):
+        out = f.vm.agent.run("cat /root/shared /tmp/mem").output.split()
+        assert out == ["from-parent", "42"], out
+        f.vm.agent.run(f"echo fork{i} > /root/own && sync")
+    parent.vm.agent.run("echo parent > /root/own && sync")
+    for i, f in enumerate(forks):
+        assert f.vm.agent.run("cat /root/own").output.strip() == f"fork{i}"
+    assert parent.vm.agent.run("cat /root/own").output.strip() == "parent"
 
 
 @needs_qemu
-def test_pause_while_writing_loses_nothing_and_missing_chunk_refuses_restore(tmp_path: Path, guest: Path) -> None:
+def test_pause_while_writing_loses_nothing_and_missing_chunk_refuses_restore(
+    tmp_path: Path, node: Callable[..., Node]
+) -> None:
     from layerstore.chunk import chunk_key
     from layerstore.errors import MissingChunk
-    from layerstore.store import open_store
-    from vmm.sandbox import Sandboxes
 
-    m = Mount(tmp_path, cache_size="512M")
-    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
-    m.start()
-    store = open_store(str(tmp_path / "store"))
-    boxes = Sandboxes(store, m.mnt, QemuBackend(accel=detect()), guest_dir=guest, work_root=tmp_path / "work",
-                      memory_mib=128, control_env=m.env)
-    try:
-        sb = boxes.boot("w", "guest:v1")
-        sb.vm.agent.run("(i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); echo $i >> /root/log; sync; done) "
-                        ">/dev/null 2>&1 &")
-        time.sleep(1)
-        sb.vm.pause()
-        time.sleep(1)
-        sb.vm.resume()
-        time.sleep(1)
-        sb.vm.agent.run("touch /tmp/stop; sleep 0.5; sync")
-        lines = sb.vm.agent.run("cat /root/log").output.split()
-        assert len(lines) > 5 and lines == [str(i) for i in range(1, len(lines) + 1)]  # no write lost or torn
+    n = node(memory_mib=128)
+    m, store, boxes = n.mount, n.store, n.boxes
+    sb = boxes.boot("w", "guest:v1")
+    sb.vm.agent.run("(i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); echo $i >> /root/log; sync; done) "
+                    ">/dev/null 2>&1 &")
+    time.sleep(1)
+    sb.vm.pause()
+    time.sleep(1)
+    sb.vm.resume()
+    time.sleep(1)
+    sb.vm.agent.run("touch /tmp/stop; sleep 0.5; sync")
+    lines = sb.vm.agent.run("cat /root/log").output.split()
+    assert len(lines) > 5 and lines == [str(i) for i in range(1, len(lines) + 1)]  # no write lost or torn
 
-        snapshot_id = boxes.snapshot("w", resume=False)
-        boxes.kill("w")
-        memory = store.get_snapshot(snapshot_id).layers["memory"]
-        victim = sorted(store.chunk_map(memory)[1].values())[0]
-        store.backend.delete(chunk_key(victim))
-        with pytest.raises(MissingChunk, match=victim):
-            boxes.restore(snapshot_id, "broken")
-        assert "broken" not in boxes.running
-        rows = json.loads(m.strata("layer", "ls", "--mount", str(m.mnt), "--json").stdout)
-        assert [r["sid"] for r in rows] == []  # no half-created sandbox disk left
-        assert subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True).stdout == b""
-    finally:
-        for sid in list(boxes.running):
-            boxes.kill(sid)
-        m.stop()
-        store.close()
+    snapshot_id = boxes.snapshot("w", resume=False)
+    boxes.kill("w")
+    memory = store.get_snapshot(snapshot_id).layers["memory"]
+    victim = sorted(store.chunk_map(memory)[1].values())[0]
+    store.backend.delete(chunk_key(victim))
+    with pytest.raises(MissingChunk, match=victim):
+        boxes.restore(snapshot_id, "broken")
+    assert "broken" not in boxes.running
+    rows = json.loads(m.strata("layer", "ls", "--mount", str(m.mnt), "--json").stdout)
+    assert [r["sid"] for r in rows] == []  # no half-created sandbox disk left
+    assert subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True).stdout == b""
