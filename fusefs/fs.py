@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -349,7 +349,8 @@ class StrataFS(pyfuse3.Operations):
         if view is None or end >= view.size:
             return
         first = end // view.chunk_size
-        for index in range(first, min(first + READ_AHEAD_CHUNKS, view.chunk_range(0, view.size).stop)):
+        chunk_count = -(-view.size // view.chunk_size)
+        for index in range(first, min(first + READ_AHEAD_CHUNKS, chunk_count)):
             digest = view.chunks.get(index)
             if digest is not None and not self.cat.cache.contains(digest):
                 self.cat.schedule_prefetch(digest)
@@ -429,5 +430,5 @@ class StrataFS(pyfuse3.Operations):
     def open_handles(self) -> int:
         return len(self._handles)
 
-    def shutdown(self, wait: Callable[[], None] | None = None) -> None:
+    def shutdown(self) -> None:
         self.readahead.shutdown(wait=False, cancel_futures=True)

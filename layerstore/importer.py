@@ -21,7 +21,7 @@ import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -55,7 +55,6 @@ class ImportResult:
     read_bytes: int = 0
     seconds: float = 0.0
     parent: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {

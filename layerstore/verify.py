@@ -127,7 +127,7 @@ def verify_store(
         try:
             data = decode_chunk(digest, backend.get(f"chunks/{digest[:2]}/{digest}"))
             return digest, len(data), None
-        except (CorruptObject, NotFound, StrataError) as exc:
+        except StrataError as exc:  # corrupt, missing, or the store failing
             return digest, 0, str(exc)
 
     with ThreadPoolExecutor(workers or max(2, (os.cpu_count() or 2) * 2), thread_name_prefix="strata-verify") as pool:
