@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layerstore.errors import InvalidInput, StrataError
+from layerstore.errors import InvalidInput, MissingChunk, NotFound, StrataError
 
 from .control import check_mountpoint, control_socket
 
@@ -56,7 +56,11 @@ def call(
     except ValueError:
         raise DaemonError(f"the daemon serving {mountpoint} closed the connection without an answer") from None
     if not reply.get("ok"):
-        raise DaemonError(str(reply.get("error", "unknown error")))
+        # the daemon's error class travels as `kind`, so callers can tell a
+        # missing sandbox (NotFound) from bad input or a daemon failure
+        kind = {"NotFound": NotFound, "InvalidInput": InvalidInput, "MissingChunk": MissingChunk}.get(
+            str(reply.get("kind")), DaemonError)
+        raise kind(str(reply.get("error", "unknown error")))
     return reply
 
 

@@ -252,7 +252,7 @@ class Daemon:
         except (ValueError, TypeError) as exc:
             return {"ok": False, "error": f"malformed request: {exc}"}
         except StrataError as exc:
-            return {"ok": False, "error": str(exc)}
+            return {"ok": False, "error": str(exc), "kind": type(exc).__name__}
         except Exception as exc:  # keep the daemon alive; report the bug
             log.exception("control request failed")
             return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}

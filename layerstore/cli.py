@@ -37,7 +37,7 @@ from .store import Store, inspect_image, open_store
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PROBLEMS = 3
-EXTENSIONS = ("fusefs.cli",)
+EXTENSIONS = ("fusefs.cli", "vmm.cli")
 
 
 def parse_size(text: str) -> int:
@@ -121,6 +121,18 @@ class Output:
         ) as bar:
             task = bar.add_task(description, total=None)
             yield (lambda n: bar.advance(task, n)), (lambda n: bar.update(task, total=n))
+
+
+    @contextlib.contextmanager
+    def status(self, description: str) -> Iterator[None]:
+        """A spinner with `description` on a terminal while a long step runs (else nothing)."""
+        if not self.show_progress:
+            yield
+            return
+        from rich.console import Console
+
+        with Console(stderr=True).status(description):
+            yield
 
 
 def _store(args: argparse.Namespace, env: dict[str, str]) -> Store:

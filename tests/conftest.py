@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +28,7 @@ from layerstore.s3 import S3Backend, S3Config
 from tests.seaweedfs_server import SeaweedFS, find_weed
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["local", "moto", "seaweedfs"]
 
 
@@ -138,3 +141,22 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     s.kind = request.param  # type: ignore[attr-defined]
     yield s
     s.close()
+
+
+# guests ------------------------------------------------------------------
+GUEST_DIR = Path(os.environ.get("STRATA_GUEST_DIR", "/var/tmp/strata-guest"))
+
+needs_qemu = pytest.mark.skipif(
+    shutil.which("qemu-system-x86_64") is None and not IN_CI,
+    reason="qemu-system-x86_64 not installed (apt-get install qemu-system-x86)",
+)
+
+
+@pytest.fixture(scope="session")
+def guest() -> Path:
+    """The guest kernel, initramfs and rootfs, built once (cached between runs)."""
+    result = subprocess.run(["bash", str(ROOT / "vmm/guest/build.sh"), str(GUEST_DIR)], capture_output=True,
+                            text=True, timeout=900)
+    if result.returncode != 0:
+        pytest.fail(f"guest build failed: {result.stderr[-2000:]}")
+    return GUEST_DIR

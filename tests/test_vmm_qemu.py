@@ -5,7 +5,6 @@ failure paths (missing binary, guest that never answers)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -16,31 +15,12 @@ from typing import Callable, Iterator
 import pytest
 
 from layerstore.store import Store, open_store
-from tests.conftest import IN_CI
+from tests.conftest import needs_qemu
 from tests.test_fusefs_mount import Mount
 from vmm.accel import detect
 from vmm.backend import VmSpec
 from vmm.qemu import QemuBackend, VmmError
 from vmm.sandbox import Sandboxes
-
-GUEST_DIR = Path(os.environ.get("STRATA_GUEST_DIR", "/var/tmp/strata-guest"))
-ROOT = Path(__file__).resolve().parent.parent
-
-needs_qemu = pytest.mark.skipif(
-    shutil.which("qemu-system-x86_64") is None and not IN_CI,
-    reason="qemu-system-x86_64 not installed (apt-get install qemu-system-x86)",
-)
-
-
-@pytest.fixture(scope="session")
-def guest() -> Path:
-    """The guest kernel, initramfs and rootfs, built once (cached between runs)."""
-    result = subprocess.run(["bash", str(ROOT / "vmm/guest/build.sh"), str(GUEST_DIR)], capture_output=True,
-                            text=True, timeout=900)
-    if result.returncode != 0:
-        pytest.fail(f"guest build failed: {result.stderr[-2000:]}")
-    return GUEST_DIR
-
 
 @pytest.fixture
 def served_disk(tmp_path: Path, guest: Path) -> Iterator[tuple[Mount, Path]]:
@@ -159,7 +139,7 @@ def node(tmp_path: Path, guest: Path) -> Iterator[Callable[..., Node]]:
 
     yield make
     for n in made:
-        for sid in list(n.boxes.running):
+        for sid in [r["sid"] for r in n.boxes.list()]:
             n.boxes.kill(sid)
         n.mount.stop()
         n.store.close()
@@ -171,19 +151,19 @@ def test_snapshot_kill_restore_on_a_fresh_mount(tmp_path: Path, node: Callable[.
     on a fresh mount with an empty cache: both the file and the process survive."""
     n = node()
     m, store, boxes = n.mount, n.store, n.boxes
-    sb = boxes.boot("src", "guest:v1")
+    sb = boxes.boot("guest:v1", sid="src")
     assert sb.vm.agent.run("echo kept-on-disk > /root/file && sync").exit_code == 0
     sb.vm.agent.run("(i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 &")
     time.sleep(1)
     snapshot_id = boxes.snapshot("src", resume=False)
-    before = sb.timings
+    before = boxes.registry.load("src").timings
     boxes.kill("src")
     assert snapshot_id in store.list_snapshots()
     # a fresh mount with an empty cache, as on another node
     m.stop()
     shutil.rmtree(tmp_path / "cache")
     m.start()
-    restored = boxes.restore(snapshot_id, "copy")
+    restored = boxes.restore(snapshot_id, sid="copy")
     assert restored.vm.agent.run("cat /root/file").output.strip() == "kept-on-disk"
     first = int(restored.vm.agent.run("cat /tmp/counter").output)
     time.sleep(0.5)
@@ -197,7 +177,7 @@ def test_fork_four_see_the_parent_then_diverge(node: Callable[..., Node]) -> Non
     from layerstore.errors import InvalidInput
 
     boxes = node(memory_mib=128).boxes
-    parent = boxes.boot("p", "guest:v1")
+    parent = boxes.boot("guest:v1", sid="p")
     parent.vm.agent.run("echo from-parent > /root/shared && sync; echo 42 > /tmp/mem")
     with pytest.raises(InvalidInput):
         boxes.fork("p", 0)
@@ -223,7 +203,7 @@ def test_pause_while_writing_loses_nothing_and_missing_chunk_refuses_restore(
 
     n = node(memory_mib=128)
     m, store, boxes = n.mount, n.store, n.boxes
-    sb = boxes.boot("w", "guest:v1")
+    sb = boxes.boot("guest:v1", sid="w")
     sb.vm.agent.run("(i=0; while [ ! -e /tmp/stop ]; do i=$((i+1)); echo $i >> /root/log; sync; done) "
                     ">/dev/null 2>&1 &")
     time.sleep(1)
@@ -241,8 +221,8 @@ def test_pause_while_writing_loses_nothing_and_missing_chunk_refuses_restore(
     victim = sorted(store.chunk_map(memory)[1].values())[0]
     store.backend.delete(chunk_key(victim))
     with pytest.raises(MissingChunk, match=victim):
-        boxes.restore(snapshot_id, "broken")
-    assert "broken" not in boxes.running
+        boxes.restore(snapshot_id, sid="broken")
+    assert "broken" not in [r["sid"] for r in boxes.list()]
     rows = json.loads(m.strata("layer", "ls", "--mount", str(m.mnt), "--json").stdout)
     assert [r["sid"] for r in rows] == []  # no half-created sandbox disk left
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True).stdout == b""

@@ -3,8 +3,10 @@
 One line per message over the virtio-serial port's unix socket:
 `PING id` -> `PONG id`; `RUN id <base64 cmd>` -> `OUT id <base64 output>`,
 `EXIT id <code>`. Lines sent while nothing in the guest has the port open are
-dropped, so `wait_ready` resends PING until a PONG arrives; replies to ids we
-are not waiting for (from an earlier connection) are skipped.
+dropped, so `wait_ready` resends PING until a PONG arrives, and `run` on a
+connection that has not seen a PONG yet (a new process attaching to a running
+VM) does that first; replies to ids we are not waiting for (from an earlier
+connection) are skipped.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Agent:
         self._sock: socket.socket | None = None
         self._buf = b""
         self._ids = itertools.count(1)
+        self._synced = False  # a PONG arrived on the current connection
 
     def _connect(self, deadline: float) -> socket.socket:
         while self._sock is None:
@@ -87,11 +90,14 @@ class Agent:
                 if line is None:
                     break
                 if line == f"PONG {token}":
+                    self._synced = True
                     return time.monotonic() - started
         raise AgentError(f"guest agent did not answer within {timeout:.0f} s")
 
     def run(self, command: str, *, timeout: float = 60.0) -> RunResult:
         """Run `sh -c command` in the guest; output is stdout and stderr together."""
+        if not self._synced:
+            self.wait_ready(timeout)
         token = f"r{next(self._ids)}"
         deadline = time.monotonic() + timeout
         payload = base64.b64encode(command.encode()).decode()
@@ -115,3 +121,4 @@ class Agent:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._synced = False

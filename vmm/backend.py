@@ -43,6 +43,7 @@ class Vm(Protocol):
     - `pause`/`resume` stop and continue the vCPUs;
     - `save_state(path)` requires a paused VM and writes everything needed to
       restore it (device state and memory) to `path`;
+    - `alive` is False once the VM process is gone (crashed, killed);
     - `kill` stops the VM and frees its resources; calling it twice is fine.
     """
 
@@ -57,6 +58,8 @@ class Vm(Protocol):
 
     def status(self) -> str: ...
 
+    def alive(self) -> bool: ...
+
     def kill(self) -> None: ...
 
 
@@ -65,5 +68,39 @@ class VmmBackend(Protocol):
 
     def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> Vm:
         """Start (or restore) a VM and return once its agent answers; on any
-        failure the VM is killed before the error propagates."""
+        failure the VM is killed before the error propagates. The VM
+        outlives the calling process; `start` leaves in `spec.workdir`
+        whatever `attach` needs."""
         ...
+
+    def attach(self, workdir: Path, *, timeout: float = 5.0) -> Vm:
+        """Take control of the VM started in `workdir` (maybe by another,
+        possibly finished, process); VmmError if it is gone or busy."""
+        ...
+
+    def is_running(self, workdir: Path) -> bool:
+        """Whether the VM started in `workdir` still runs (no control connection needed)."""
+        ...
+
+    def destroy(self, workdir: Path) -> None:
+        """Hard-stop whatever VM runs in `workdir` without needing its
+        control socket (the way out of a VM nobody can attach to)."""
+        ...
+
+
+BACKENDS = ("qemu", "firecracker")
+
+
+def open_backend(name: str) -> VmmBackend:
+    """The backend called `name` (STRATA_VMM), imported only when chosen."""
+    if name == "qemu":
+        from .qemu import QemuBackend
+
+        return QemuBackend()
+    if name == "firecracker":
+        from .firecracker import FirecrackerBackend
+
+        return FirecrackerBackend()
+    from layerstore.errors import InvalidInput
+
+    raise InvalidInput(f"unknown VMM backend {name!r}: choose one of {', '.join(BACKENDS)}")

@@ -20,6 +20,7 @@ fastest on. Snapshots are QEMU migration streams written with `exec:cat`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -44,13 +45,31 @@ class VmmError(StrataError):
     """A VM could not be started, controlled or saved."""
 
 
+def _alive(pid: int, workdir: Path) -> bool:
+    """True if `pid` is still the QEMU of `workdir` (not a recycled pid)."""
+    try:
+        return str(workdir / "qmp.sock").encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 class QemuVm:
-    def __init__(self, proc: subprocess.Popen, spec: VmSpec, qmp: QMP, agent: Agent) -> None:
+    """A QEMU process we started, or re-attached to from its workdir (then
+    `proc` is None: another process of ours started it and may have exited)."""
+
+    def __init__(self, pid: int, workdir: Path, qmp: QMP, agent: Agent, *, ram_in_file: bool,
+                 proc: subprocess.Popen | None = None) -> None:
         self.proc = proc
-        self.pid = proc.pid
-        self.spec = spec
+        self.pid = pid
+        self.workdir = workdir
+        self.ram_in_file = ram_in_file
         self.qmp = qmp
         self.agent = agent
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return _alive(self.pid, self.workdir)
 
     def status(self) -> str:
         return str(self.qmp.execute("query-status")["status"])
@@ -65,7 +84,7 @@ class QemuVm:
         if self.status() not in ("paused", "postmigrate"):
             raise VmmError("save_state needs a paused VM")
         self.qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
-        if self.spec.memory_file is not None:  # RAM lives in its file: stream device state only
+        if self.ram_in_file:  # RAM lives in its file: stream device state only
             self.qmp.execute("migrate-set-capabilities",
                              {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
         self.qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
@@ -80,17 +99,32 @@ class QemuVm:
             time.sleep(0.01)
         raise VmmError("saving VM state did not finish within 300 s")
 
+    def _wait_gone(self, timeout: float) -> bool:
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        deadline = time.monotonic() + timeout
+        while _alive(self.pid, self.workdir):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
+        if self.alive():
             try:
                 self.qmp.execute("quit", timeout=5)
             except (QMPError, OSError):
                 pass
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+            if not self._wait_gone(5):
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._wait_gone(10)
         self.qmp.close()
         self.agent.close()
 
@@ -101,8 +135,7 @@ class QemuBackend:
     def __init__(self, *, binary: str | None = None, accel: Accel | None = None) -> None:
         self.binary = binary or shutil.which(QEMU_BINARY) or QEMU_BINARY
         self.accel = accel or detect()
-        if self.accel.name == "tcg":
-            log.warning("%s", self.accel.reason)
+        self._warned = False
 
     def argv(self, spec: VmSpec) -> list[str]:
         w = spec.workdir
@@ -144,6 +177,9 @@ class QemuBackend:
             raise VmmError(f"VM state {spec.incoming} does not exist")
         if spec.memory_file is not None and not spec.memory_shared and not spec.memory_file.exists():
             raise VmmError(f"memory file {spec.memory_file} does not exist")
+        if self.accel.name == "tcg" and not self._warned:  # once, and only when a VM is started
+            log.warning("%s", self.accel.reason)
+            self._warned = True
         spec.workdir.mkdir(parents=True, exist_ok=True)
         for name in ("agent.sock", "qmp.sock"):
             (spec.workdir / name).unlink(missing_ok=True)
@@ -175,7 +211,8 @@ class QemuBackend:
                 if proc.poll() is not None:
                     raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
                 raise
-            return QemuVm(proc, spec, qmp, agent)
+            (spec.workdir / "vm.json").write_text(json.dumps({"pid": proc.pid, "ram_in_file": spec.memory_file is not None}))
+            return QemuVm(proc.pid, spec.workdir, qmp, agent, ram_in_file=spec.memory_file is not None, proc=proc)
         except BaseException as exc:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -189,3 +226,44 @@ class QemuBackend:
             if isinstance(exc, StrataError):
                 raise VmmError(f"{exc}{detail}; VM killed") from None
             raise
+
+    def attach(self, workdir: Path, *, timeout: float = 5.0) -> QemuVm:
+        """Take control of a VM started earlier (maybe by another process).
+
+        QMP serves one client at a time, so a VM another live process holds
+        cannot be attached: that is reported rather than waited out.
+        """
+        try:
+            info = json.loads((workdir / "vm.json").read_text())
+        except (OSError, ValueError):
+            raise VmmError(f"no VM recorded in {workdir}") from None
+        pid = int(info["pid"])
+        if not _alive(pid, workdir):
+            raise VmmError(f"the VM (pid {pid}) is no longer running")
+        try:
+            qmp = QMP(workdir / "qmp.sock", timeout=timeout)
+        except QMPError as exc:
+            raise VmmError(f"cannot control the VM (pid {pid}): {exc}; is another process (strata serve?) "
+                           "controlling it?") from None
+        return QemuVm(pid, workdir, qmp, Agent(workdir / "agent.sock"), ram_in_file=bool(info["ram_in_file"]))
+
+    def _recorded_pid(self, workdir: Path) -> int | None:
+        try:
+            return int(json.loads((workdir / "vm.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def is_running(self, workdir: Path) -> bool:
+        pid = self._recorded_pid(workdir)
+        return pid is not None and _alive(pid, workdir)
+
+    def destroy(self, workdir: Path) -> None:
+        pid = self._recorded_pid(workdir)
+        if pid is not None and _alive(pid, workdir):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + 10
+            while _alive(pid, workdir) and time.monotonic() < deadline:
+                time.sleep(0.02)

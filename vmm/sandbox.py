@@ -2,7 +2,9 @@
 
 `Sandboxes` ties the pieces together: the mount daemon gives each sandbox a
 copy-on-write disk (`fusefs`), a `VmmBackend` runs the VM with its RAM in a
-file, and the store keeps snapshots:
+file, the store keeps snapshots, and a `Registry` keeps one record per
+sandbox on disk so any later process (the next CLI command, a restarted API
+service) can find and control it again:
 
     snapshot = pause -> device state to a file -> seal the disk's upper layer
                -> RAM file and state file imported as layers (RAM with the
@@ -15,33 +17,49 @@ file, and the store keeps snapshots:
 
 from __future__ import annotations
 
-import shutil
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from fusefs.client import call
-from layerstore.errors import InvalidInput, MissingChunk, NotFound
+from layerstore.errors import InvalidInput, MissingChunk, NotFound, StrataError
 from layerstore.importer import import_image
+from layerstore.refs import parse_ref
 from layerstore.snapshot import Snapshot
 from layerstore.store import Store
 
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
+from .registry import Registry, SandboxRecord, new_sid
+
+MAX_FORKS = 100
 
 
 @dataclass
 class Sandbox:
-    sid: str
+    """A sandbox's record and the handle of its running VM."""
+
+    record: SandboxRecord
     vm: Vm
     workdir: Path
-    memory_mib: int
-    last_snapshot: str | None = None
-    last_memory: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sid(self) -> str:
+        return self.record.sid
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.record.timings
 
 
 class Sandboxes:
-    """Boot, snapshot, restore and kill sandboxes on one node."""
+    """Boot, pause, snapshot, restore, fork and kill the sandboxes of one node.
+
+    Safe to share between threads: operations on one sandbox are serialised,
+    different sandboxes proceed in parallel.
+    """
 
     def __init__(
         self,
@@ -58,45 +76,128 @@ class Sandboxes:
         self.mount = mountpoint
         self.backend = backend
         self.guest_dir = guest_dir
-        self.work_root = work_root
+        self.registry = Registry(work_root)
         self.memory_mib = memory_mib
         self._env = control_env
-        self.running: dict[str, Sandbox] = {}
+        self._vms: dict[str, Vm] = {}
         self._boot_layers: dict[str, str] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
 
     def _call(self, request: dict) -> dict:
         return call(self.mount, request, env=self._env)
 
+    @contextmanager
+    def _locked(self, sid: str) -> Iterator[None]:
+        with self._guard:
+            lock = self._locks.setdefault(sid, threading.Lock())
+        with lock:
+            yield
+
     def _boot_layer(self, name: str) -> str:
         """Kernel and initrd as layers (imported once; identical bytes dedup)."""
-        if name not in self._boot_layers:
-            self._boot_layers[name] = import_image(self.store, self.guest_dir / name).manifest_id
-        return self._boot_layers[name]
+        with self._guard:
+            if name not in self._boot_layers:
+                self._boot_layers[name] = import_image(self.store, self.guest_dir / name).manifest_id
+            return self._boot_layers[name]
 
-    def boot(self, sid: str, image: str) -> Sandbox:
-        if sid in self.running:
-            raise InvalidInput(f"sandbox {sid} is already running")
-        self._call({"op": "sandbox_create", "sid": sid, "image": image})
-        work = self.work_root / sid
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+    def _claim(self, sid: str | None) -> str:
+        sid = sid or new_sid()
+        if self.registry.exists(sid):
+            raise InvalidInput(f"sandbox {sid} already exists")
+        return sid
+
+    def get(self, sid: str) -> Sandbox:
+        """The sandbox `sid` with a live VM handle (attaching if another process started it)."""
+        record = self.registry.load(sid)
+        vm = self._vms.get(sid)
+        if vm is None or not vm.alive():
+            if record.backend != self.backend.name:
+                raise InvalidInput(f"sandbox {sid} runs on {record.backend}, this node uses {self.backend.name}")
+            vm = self._vms[sid] = self.backend.attach(self.registry.workdir(sid))
+        return Sandbox(record, vm, self.registry.workdir(sid))
+
+    def list(self) -> list[dict[str, object]]:
+        """Every sandbox's record, with `alive` telling whether its VM process runs."""
+        rows = []
+        for record in self.registry.all():
+            vm = self._vms.get(record.sid)
+            alive = vm.alive() if vm is not None else self.backend.is_running(self.registry.workdir(record.sid))
+            rows.append({**record.__dict__, "alive": alive})
+        return rows
+
+    def _start(self, record: SandboxRecord, spec: VmSpec, disk_request: dict) -> Sandbox:
+        """Create the sandbox disk, start the VM; on failure remove both."""
+        self._call({"op": "sandbox_create", "sid": record.sid, **disk_request})
+        work = self.registry.workdir(record.sid)
+        self.registry.save(record)
         started = time.monotonic()
         try:
-            vm = self.backend.start(VmSpec(
-                kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
-                disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work, memory_mib=self.memory_mib,
-                cmdline=DEFAULT_CMDLINE, memory_file=work / "ram", memory_shared=True))
+            vm = self.backend.start(spec)
         except BaseException:
-            self._call({"op": "sandbox_remove", "sid": sid})
+            self._call({"op": "sandbox_remove", "sid": record.sid})
+            self.registry.remove(record.sid)
             raise
-        sandbox = Sandbox(sid, vm, work, self.memory_mib, timings={"boot": time.monotonic() - started})
-        self.running[sid] = sandbox
-        return sandbox
+        record.timings["restore" if spec.incoming else "boot"] = time.monotonic() - started
+        record.pid = vm.pid
+        self.registry.save(record)
+        self._vms[record.sid] = vm
+        return Sandbox(record, vm, work)
 
-    def snapshot(self, sid: str, *, resume: bool = True) -> str:
-        sandbox = self.running.get(sid)
-        if sandbox is None:
-            raise NotFound(f"sandbox {sid} is not running")
+    def boot(self, image: str, *, sid: str | None = None, memory_mib: int | None = None,
+             metadata: dict[str, str] | None = None) -> Sandbox:
+        """A new sandbox: a copy-on-write disk over `image` (NAME:TAG), booted;
+        returns once the guest agent answers."""
+        ref = parse_ref(image)
+        self.store.resolve(ref)  # unknown image: NotFound before anything is created
+        with self._guard:
+            sid = self._claim(sid)
+            memory = memory_mib or self.memory_mib
+            record = SandboxRecord(sid, self.backend.name, f"image:{ref}", memory, metadata=dict(metadata or {}))
+            work = self.registry.workdir(sid)
+            self.registry.save(record)
+        with self._locked(sid):
+            return self._start(record, VmSpec(
+                kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
+                disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work, memory_mib=memory,
+                cmdline=DEFAULT_CMDLINE, memory_file=work / "ram", memory_shared=True), {"image": str(ref)})
+
+    def pause(self, sid: str) -> Sandbox:
+        """Stop the vCPUs (memory and disk stay as they are)."""
+        with self._locked(sid):
+            sandbox = self.get(sid)
+            started = time.monotonic()
+            sandbox.vm.pause()
+            sandbox.record.state = "paused"
+            sandbox.record.timings["pause"] = time.monotonic() - started
+            self.registry.save(sandbox.record)
+            return sandbox
+
+    def resume(self, sid: str) -> Sandbox:
+        with self._locked(sid):
+            sandbox = self.get(sid)
+            started = time.monotonic()
+            sandbox.vm.resume()
+            sandbox.record.state = "running"
+            sandbox.record.timings["resume"] = time.monotonic() - started
+            self.registry.save(sandbox.record)
+            return sandbox
+
+    def snapshot(self, sid: str, *, resume: bool | None = None) -> str:
+        """Snapshot `sid` into the store; returns the snapshot id.
+
+        The sandbox ends as it was (running or paused) unless `resume` says
+        otherwise. Incremental: RAM is imported with the previous snapshot's
+        RAM as parent and the disk's seal holds only chunks dirtied since.
+        """
+        with self._locked(sid):
+            return self._snapshot(sid, resume)
+
+    def _snapshot(self, sid: str, resume: bool | None) -> str:
+        sandbox = self.get(sid)
+        record = sandbox.record
+        if resume is None:
+            resume = record.state == "running"
         t0 = time.monotonic()
         sandbox.vm.pause()
         state = sandbox.workdir / "state"
@@ -104,48 +205,47 @@ class Sandboxes:
         t1 = time.monotonic()
         disk = self._call({"op": "seal", "sid": sid, "wait": True})["manifest"]
         t2 = time.monotonic()
-        memory = import_image(self.store, sandbox.workdir / "ram", parent=sandbox.last_memory).manifest_id
+        memory = import_image(self.store, sandbox.workdir / "ram", parent=record.last_memory).manifest_id
         state_id = import_image(self.store, state).manifest_id
         snap = Snapshot(
             layers={"disk": disk, "memory": memory, "state": state_id},
-            vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": sandbox.memory_mib,
+            vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
                 "kernel": self._boot_layer("vmlinuz"), "initrd": self._boot_layer("initramfs.cpio.gz")},
-            parent=sandbox.last_snapshot,
+            parent=record.last_snapshot,
             annotations={"sandbox": sid},
         )
         snapshot_id = self.store.put_snapshot(snap)
         t3 = time.monotonic()
-        sandbox.last_snapshot, sandbox.last_memory = snapshot_id, memory
+        record.last_snapshot, record.last_memory = snapshot_id, memory
         if resume:
             sandbox.vm.resume()
-        sandbox.timings.update({"capture": t1 - t0, "seal": t2 - t1, "publish": t3 - t2})
+        record.state = "running" if resume else "paused"
+        record.timings.update({"capture": t1 - t0, "seal": t2 - t1, "publish": t3 - t2})
+        self.registry.save(record)
         return snapshot_id
 
-    def restore(self, snapshot_id: str, sid: str) -> Sandbox:
-        if sid in self.running:
-            raise InvalidInput(f"sandbox {sid} is already running")
+    def restore(self, snapshot_id: str, *, sid: str | None = None,
+                metadata: dict[str, str] | None = None) -> Sandbox:
+        """A new sandbox started from a snapshot, its RAM and disk served lazily."""
         snap = self.store.get_snapshot(snapshot_id)
         self._check_complete(snapshot_id, snap)
-        self._call({"op": "sandbox_create", "sid": sid, "manifest": snap.layers["disk"]})
+        with self._guard:
+            sid = self._claim(sid)
+            memory = int(snap.vm["memory_mib"])  # type: ignore[arg-type]
+            record = SandboxRecord(sid, self.backend.name, f"snapshot:{snapshot_id}", memory,
+                                   last_snapshot=snapshot_id, last_memory=snap.layers["memory"],
+                                   metadata=dict(metadata or {}))
+            work = self.registry.workdir(sid)
+            self.registry.save(record)
         served = self.mount / "snapshots" / snapshot_id
-        work = self.work_root / sid
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        started = time.monotonic()
-        try:
-            vm = self.backend.start(VmSpec(
+        with self._locked(sid):
+            return self._start(record, VmSpec(
                 kernel=self.mount / "layers" / str(snap.vm["kernel"]) / "disk.img",
                 initrd=self.mount / "layers" / str(snap.vm["initrd"]) / "disk.img",
                 disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work,
-                memory_mib=int(snap.vm["memory_mib"]), cmdline=str(snap.vm["cmdline"]),  # type: ignore[arg-type]
-                memory_file=served / "memory", memory_shared=False, incoming=served / "state"))
-        except BaseException:
-            self._call({"op": "sandbox_remove", "sid": sid})
-            raise
-        sandbox = Sandbox(sid, vm, work, int(snap.vm["memory_mib"]), last_snapshot=snapshot_id,  # type: ignore[arg-type]
-                          last_memory=snap.layers["memory"], timings={"restore": time.monotonic() - started})
-        self.running[sid] = sandbox
-        return sandbox
+                memory_mib=memory, cmdline=str(snap.vm["cmdline"]),
+                memory_file=served / "memory", memory_shared=False, incoming=served / "state"),
+                {"manifest": snap.layers["disk"]})
 
     def _check_complete(self, snapshot_id: str, snap: Snapshot) -> None:
         """Refuse to start a VM whose memory or disk could fault on a missing chunk.
@@ -167,13 +267,17 @@ class Sandboxes:
     def fork(self, sid: str, count: int, *, prefix: str | None = None) -> list[Sandbox]:
         """Snapshot `sid` once (it keeps running), then restore `count`
         independent sandboxes from it, each with its own upper layer."""
-        if not 1 <= count <= 100:
-            raise InvalidInput(f"fork count {count} must be between 1 and 100")
-        snapshot_id = self.snapshot(sid, resume=True)
+        if not 1 <= count <= MAX_FORKS:
+            raise InvalidInput(f"fork count {count} must be between 1 and {MAX_FORKS}")
+        names = [f"{prefix or sid}-fork{i + 1}" for i in range(count)]
+        taken = [n for n in names if self.registry.exists(n)]
+        if taken:
+            raise InvalidInput(f"sandbox {taken[0]} already exists")
+        snapshot_id = self.snapshot(sid)
         forks: list[Sandbox] = []
         try:
-            for i in range(count):
-                forks.append(self.restore(snapshot_id, f"{prefix or sid}-fork{i + 1}"))
+            for name in names:
+                forks.append(self.restore(snapshot_id, sid=name))
         except BaseException:
             for fork in forks:
                 self.kill(fork.sid)
@@ -181,9 +285,25 @@ class Sandboxes:
         return forks
 
     def kill(self, sid: str) -> None:
-        sandbox = self.running.pop(sid, None)
-        if sandbox is None:
-            raise NotFound(f"sandbox {sid} is not running")
-        sandbox.vm.kill()
-        self._call({"op": "sandbox_remove", "sid": sid})
-        shutil.rmtree(sandbox.workdir, ignore_errors=True)
+        """Stop the VM (even one nobody can attach to), drop the upper layer
+        (its sealed layers stay in the store when a snapshot names them) and
+        the work directory. Closing the disk and RAM files releases the
+        mount's cache pins."""
+        with self._locked(sid):
+            self.registry.load(sid)  # NotFound for an unknown id
+            vm = self._vms.pop(sid, None)
+            if vm is None:
+                try:
+                    vm = self.backend.attach(self.registry.workdir(sid))
+                except StrataError:
+                    self.backend.destroy(self.registry.workdir(sid))
+            if vm is not None:
+                vm.kill()
+            try:
+                self._call({"op": "sandbox_remove", "sid": sid})
+            except NotFound:
+                pass
+            self.registry.remove(sid)
+        with self._guard:
+            self._locks.pop(sid, None)
+

@@ -1,0 +1,293 @@
+"""`strata sandbox ...`: boot, list, exec, pause, resume, snapshot, restore,
+fork and kill sandboxes on this node, and a demo that does all of it.
+
+Each command is its own process: sandboxes are found again through their
+records (vmm/registry.py) and VMs re-attached over their control sockets.
+The node's mount is `--mount` (STRATA_MOUNT, default $STRATA_STATE_DIR/mnt)
+and is started on first use, so `strata sandbox boot IMAGE` works on a
+fresh node with nothing but a store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from layerstore.cli import Output, human_bytes, parse_size
+from layerstore.errors import InvalidInput, StrataError
+
+from .backend import BACKENDS
+from .sandbox import MAX_FORKS, Sandbox, Sandboxes
+
+GUEST_BUILD = Path(__file__).resolve().parent / "guest" / "build.sh"
+DEMO_IMAGE = "strata-guest:demo"
+
+
+def _state(env: dict[str, str]) -> Path:
+    from layerstore.store import state_dir
+
+    return state_dir(env)
+
+
+def _mountpoint(args: argparse.Namespace, env: dict[str, str]) -> Path:
+    return Path(args.mount or env.get("STRATA_MOUNT") or _state(env) / "mnt")
+
+
+def _guest_dir(args: argparse.Namespace, env: dict[str, str]) -> Path:
+    return Path(args.guest_dir or env.get("STRATA_GUEST_DIR") or _state(env) / "guest")
+
+
+def ensure_mount(mnt: Path, store_spec: str, wanted: str, env: dict[str, str], out: Output, *,
+                 cache_size: int = parse_size("10G")) -> None:
+    """Use the daemon serving `mnt`, or start one on `store_spec`; refuse a
+    mount that serves another store than `wanted` (sandboxes would mix two)."""
+    from fusefs.client import DaemonError, call, mount
+
+    try:
+        served = call(mnt, {"op": "ping"}, timeout=10, env=env)["store"]
+    except DaemonError:
+        mnt.mkdir(parents=True, exist_ok=True)
+        with out.status(f"mounting {wanted} at {mnt}"):
+            mount(mnt, store=store_spec, cache_dir=env.get("STRATA_CACHE_DIR") or _state(env) / "cache",
+                  cache_size=cache_size)
+        return
+    if served != wanted:
+        raise InvalidInput(f"{mnt} serves {served}, not {wanted}: pass --mount for another mount point")
+
+
+def open_node(args: argparse.Namespace, env: dict[str, str], out: Output) -> Sandboxes:
+    from layerstore.store import open_store
+
+    from .backend import open_backend
+
+    spec = getattr(args, "store", None) or env.get("STRATA_STORE", "")
+    store = open_store(spec, env=env)
+    mnt = _mountpoint(args, env)
+    ensure_mount(mnt, spec, store.describe(), env, out)
+    backend = open_backend(args.vmm or env.get("STRATA_VMM", "qemu"))
+    return Sandboxes(store, mnt, backend, guest_dir=_guest_dir(args, env), work_root=_state(env) / "sandboxes",
+                     control_env=env)
+
+
+def _row(sandbox: Sandbox) -> dict[str, Any]:
+    r = sandbox.record
+    return {"sid": r.sid, "state": r.state, "source": r.source, "memory_mib": r.memory_mib,
+            "pid": sandbox.vm.pid, "last_snapshot": r.last_snapshot,
+            "timings_ms": {k: round(v * 1e3, 1) for k, v in r.timings.items()}}
+
+
+def cmd_boot(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    node = open_node(args, env, out)
+    if not (node.guest_dir / "vmlinuz").exists():
+        raise InvalidInput(f"no guest kernel in {node.guest_dir}: build one with `bash {GUEST_BUILD} "
+                           f"{node.guest_dir}` (or run `strata sandbox demo`)")
+    with out.status(f"booting {args.image}"):
+        sb = node.boot(args.image, sid=args.id, memory_mib=args.memory)
+    out.result(_row(sb), f"{sb.sid} running ({args.image}, booted in {sb.timings['boot']:.1f} s)")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    node = open_node(args, env, out)
+    with out.status(f"restoring {args.snapshot[:16]}"):
+        sb = node.restore(args.snapshot, sid=args.id)
+    out.result(_row(sb), f"{sb.sid} running (restored in {sb.timings['restore'] * 1e3:.0f} ms)")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    node = open_node(args, env, out)
+    rows = node.list()
+
+    def text() -> str:
+        if not rows:
+            return "no sandboxes"
+        lines = [f"{'SANDBOX':<24} {'STATE':<8} {'VM':<5} {'MEMORY':>7}  SOURCE"]
+        for r in rows:
+            lines.append(f"{r['sid']:<24} {r['state']:<8} {'up' if r['alive'] else 'DEAD':<5} "
+                         f"{r['memory_mib']:>4} MiB  {str(r['source'])[:48]}")
+        return "\n".join(lines)
+
+    out.result(rows, text)
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    node = open_node(args, env, out)
+    command = " ".join(args.command)
+    if not command:
+        raise InvalidInput("no command given: strata sandbox exec SID -- COMMAND...")
+    result = node.get(args.sid).vm.agent.run(command, timeout=args.timeout)
+    out.result({"sid": args.sid, "exit_code": result.exit_code, "output": result.output},
+               result.output.rstrip("\n"))
+    return result.exit_code
+
+
+def cmd_pause(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    sb = open_node(args, env, out).pause(args.sid)
+    out.result(_row(sb), f"{sb.sid} paused in {sb.timings['pause'] * 1e3:.1f} ms")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    sb = open_node(args, env, out).resume(args.sid)
+    out.result(_row(sb), f"{sb.sid} resumed in {sb.timings['resume'] * 1e3:.1f} ms")
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    node = open_node(args, env, out)
+    with out.status(f"snapshotting {args.sid}"):
+        snapshot_id = node.snapshot(args.sid, resume=False if args.pause else None)
+    t = node.registry.load(args.sid).timings
+    data = {"sid": args.sid, "snapshot": snapshot_id,
+            "timings_ms": {k: round(t[k] * 1e3, 1) for k in ("capture", "seal", "publish")}}
+    out.result(data, f"snapshot {snapshot_id} (capture {t['capture'] * 1e3:.0f} ms, seal {t['seal'] * 1e3:.0f} ms, "
+                     f"publish {t['publish'] * 1e3:.0f} ms)")
+    return 0
+
+
+def cmd_fork(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    node = open_node(args, env, out)
+    started = time.monotonic()
+    with out.status(f"forking {args.sid} x{args.count}"):
+        forks = node.fork(args.sid, args.count)
+    elapsed = time.monotonic() - started
+    rows = [_row(f) for f in forks]
+    out.result({"source": args.sid, "forks": rows, "seconds": round(elapsed, 3)},
+               "\n".join(r["sid"] for r in rows) + f"\n{len(rows)} fork(s) of {args.sid} in {elapsed:.1f} s")
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    node = open_node(args, env, out)
+    sids = [r["sid"] for r in node.list()] if args.all else args.sid
+    if not sids and not args.all:
+        raise InvalidInput("name the sandboxes to kill, or pass --all")
+    for sid in sids:
+        node.kill(sid)
+    out.result({"killed": sids}, f"killed {len(sids)} sandbox(es)" + (": " + " ".join(sids) if sids else ""))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    """Build the guest, import its rootfs, boot, write, snapshot, fork, check isolation, clean up."""
+    from layerstore.importer import import_image
+
+    guest = _guest_dir(args, env)
+    steps: list[tuple[str, str]] = []
+
+    def step(name: str, detail: str) -> None:
+        steps.append((name, detail))
+        if not out.json_mode:
+            print(f"{name:<10} {detail}", flush=True)
+
+    with out.status(f"building the guest in {guest} (first run downloads Debian's cloud kernel)"):
+        built = subprocess.run(["bash", str(GUEST_BUILD), str(guest)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise StrataError(f"guest build failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
+    node = open_node(args, env, out)
+    with out.progress(f"importing {DEMO_IMAGE}") as (advance, set_total):
+        imported = import_image(node.store, guest / "rootfs.ext4", DEMO_IMAGE, progress=advance, on_total=set_total)
+    step("import", f"{DEMO_IMAGE}: {human_bytes(imported.size)} rootfs, "
+                   f"{human_bytes(imported.new_stored_bytes)} new in the store")
+    sid = args.id or f"demo-{os.getpid()}"
+    made: list[str] = []
+    failures: list[str] = []
+    snapshot_id = ""
+    try:
+        with out.status("booting the demo sandbox"):
+            sb = node.boot(DEMO_IMAGE, sid=sid)
+        made.append(sid)
+        step("boot", f"{sid} answered in {sb.timings['boot']:.1f} s "
+                     f"({sb.vm.agent.run('uname -r').output.strip()})")
+        sb.vm.agent.run("echo written-before-snapshot > /root/hello; sync; "
+                        "(i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) "
+                        ">/dev/null 2>&1 &")
+        snapshot_id = node.snapshot(sid)
+        t = node.registry.load(sid).timings
+        step("snapshot", f"{snapshot_id[:16]} capture {t['capture'] * 1e3:.0f} ms, seal {t['seal'] * 1e3:.0f} ms, "
+                         f"publish {t['publish'] * 1e3:.0f} ms")
+        started = time.monotonic()
+        with out.status(f"forking {args.forks}"):
+            forks = node.fork(sid, args.forks)
+        made += [f.sid for f in forks]
+        step("fork", f"{len(forks)} forks in {time.monotonic() - started:.1f} s: {' '.join(f.sid for f in forks)}")
+        for f in forks:
+            f.vm.agent.run(f"echo {f.sid} > /root/mine; sync")
+        for f in forks:
+            seen = f.vm.agent.run("cat /root/hello; cat /root/mine; cat /tmp/counter").output.split()
+            if seen[:2] != ["written-before-snapshot", f.sid] or not seen[2:] or not seen[2].isdigit():
+                failures.append(f"{f.sid} saw {seen}")
+        if sb.vm.agent.run("test -e /root/mine").exit_code == 0:
+            failures.append("a fork's file leaked into the source sandbox")
+        step("check", "each fork sees the source's file and live counter, writes its own file, "
+                      "and nothing leaks between them" if not failures else "; ".join(failures))
+    finally:
+        if not args.keep:
+            for s in reversed(made):
+                node.kill(s)
+            if made:
+                step("cleanup", f"killed {len(made)} sandbox(es)")
+    out.result({"steps": [{"step": n, "detail": d} for n, d in steps], "ok": not failures,
+                "snapshot": snapshot_id, "sandboxes": made if args.keep else []},
+               "demo OK" if not failures else "demo FAILED")
+    if failures:
+        raise StrataError(f"demo check failed: {failures[0]}")
+    return 0
+
+
+def register(nouns: Any, verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
+    """Add `strata sandbox ...` to the `strata` parser."""
+    node = argparse.ArgumentParser(add_help=False)
+    node.add_argument("--mount", metavar="DIR", help="the node's mount (env STRATA_MOUNT; default "
+                                                     "$STRATA_STATE_DIR/mnt, started on first use)")
+    node.add_argument("--guest-dir", metavar="DIR", help="guest kernel + initramfs (env STRATA_GUEST_DIR; "
+                                                         "default $STRATA_STATE_DIR/guest)")
+    node.add_argument("--vmm", choices=BACKENDS, help="VMM backend (env STRATA_VMM; default qemu)")
+    parents = [common, node]
+
+    sandbox = nouns.add_parser("sandbox", help="run microVM sandboxes from images and snapshots")
+    sv = sandbox.add_subparsers(dest="verb", metavar="VERB", required=True)
+    p = sv.add_parser("boot", parents=parents, help="boot a new sandbox from an image")
+    p.add_argument("image", metavar="NAME:TAG")
+    p.add_argument("--id", metavar="SID", help="sandbox id (default: a random one)")
+    p.add_argument("--memory", type=int, metavar="MIB", help="guest memory (default 256)")
+    p.set_defaults(func=cmd_boot)
+    p = sv.add_parser("restore", parents=parents, help="start a new sandbox from a snapshot (lazily loaded)")
+    p.add_argument("snapshot", metavar="SNAPSHOT_ID")
+    p.add_argument("--id", metavar="SID")
+    p.set_defaults(func=cmd_restore)
+    p = sv.add_parser("ls", parents=parents, help="list this node's sandboxes")
+    p.set_defaults(func=cmd_ls)
+    p = sv.add_parser("exec", parents=parents, help="run a shell command in a sandbox; exits with its code")
+    p.add_argument("sid", metavar="SID")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(func=cmd_exec)
+    for verb, func, text in (("pause", cmd_pause, "stop a sandbox's vCPUs"),
+                             ("resume", cmd_resume, "continue a paused sandbox")):
+        p = sv.add_parser(verb, parents=parents, help=text)
+        p.add_argument("sid", metavar="SID")
+        p.set_defaults(func=func)
+    p = sv.add_parser("snapshot", parents=parents, help="store memory, device state and disk as a snapshot")
+    p.add_argument("sid", metavar="SID")
+    p.add_argument("--pause", action="store_true", help="leave the sandbox paused afterwards")
+    p.set_defaults(func=cmd_snapshot)
+    p = sv.add_parser("fork", parents=parents, help="snapshot once and start N copies (the source keeps running)")
+    p.add_argument("sid", metavar="SID")
+    p.add_argument("-n", "--count", type=int, default=1, help=f"1..{MAX_FORKS} (default 1)")
+    p.set_defaults(func=cmd_fork)
+    p = sv.add_parser("kill", parents=parents, help="stop sandboxes and drop their upper layers")
+    p.add_argument("sid", nargs="*", metavar="SID")
+    p.add_argument("--all", action="store_true")
+    p.set_defaults(func=cmd_kill)
+    p = sv.add_parser("demo", parents=parents, help="build the guest, then boot, snapshot and fork a demo sandbox")
+    p.add_argument("--forks", type=int, default=2)
+    p.add_argument("--id", metavar="SID")
+    p.add_argument("--keep", action="store_true", help="leave the sandboxes running")
+    p.set_defaults(func=cmd_demo)
