@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layerstore.errors import InvalidInput, MissingChunk, NotFound, StrataError
+from layerstore.errors import Conflict, InvalidInput, MissingChunk, NotFound, StrataError
 
 from .control import check_mountpoint, control_socket
 
@@ -58,7 +58,8 @@ def call(
     if not reply.get("ok"):
         # the daemon's error class travels as `kind`, so callers can tell a
         # missing sandbox (NotFound) from bad input or a daemon failure
-        kind = {"NotFound": NotFound, "InvalidInput": InvalidInput, "MissingChunk": MissingChunk}.get(
+        kind = {"NotFound": NotFound, "InvalidInput": InvalidInput, "MissingChunk": MissingChunk,
+                "Conflict": Conflict}.get(
             str(reply.get("kind")), DaemonError)
         raise kind(str(reply.get("error", "unknown error")))
     return reply

@@ -8,9 +8,9 @@ sandboxes are fsynced, the cache index is flushed, the socket is removed.
 
 Control protocol: one JSON object per line over a unix socket at
 `control_socket(mountpoint)`; every reply is `{"ok": true, ...}` or
-`{"ok": false, "error": "<one line>"}`. Operations: ping, stats,
+`{"ok": false, "error": "<one line>", "kind": "<error class>"}`. Operations: ping, stats,
 sandbox_create {sid, image | manifest}, sandbox_list, sandbox_remove {sid},
-seal {sid, wait}, record_prefetch {image}, cache_drop, shutdown.
+seal {sid, wait}, record_prefetch {image}, cache_drop, pin {image}, unpin {image}, shutdown.
 """
 
 from __future__ import annotations
@@ -285,6 +285,21 @@ class Daemon:
 
     def op_cache_drop(self, _r: dict[str, Any]) -> dict[str, Any]:
         return {"freed": self.cat.cache.drop()}
+
+    def op_pin(self, r: dict[str, Any]) -> dict[str, Any]:
+        """Fetch every chunk of an image into the cache and keep it there
+        (evicted only as a last resort) until `unpin`: an operator's way to
+        keep a hot template local."""
+        ref = parse_ref(str(r.get("image")))
+        digests = sorted(set(self.cat.view_for_ref(ref).digests()))
+        self.cat.cache.pin(("admin", str(ref)), digests)
+        list(self.cat._prefetch.map(self.cat.fetcher.prefetch, digests))
+        return {"image": str(ref), "chunks": len(digests), "cached": sum(map(self.cat.cache.contains, digests))}
+
+    def op_unpin(self, r: dict[str, Any]) -> dict[str, Any]:
+        ref = parse_ref(str(r.get("image")))
+        self.cat.cache.unpin(("admin", str(ref)))
+        return {"image": str(ref)}
 
     def op_shutdown(self, _r: dict[str, Any]) -> dict[str, Any]:
         if self._token is not None:

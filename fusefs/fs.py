@@ -32,7 +32,7 @@ import pyfuse3
 import trio
 
 from layerstore.digest import is_digest
-from layerstore.errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
+from layerstore.errors import Conflict, CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
 from layerstore.refs import parse_ref
 
 from .upper import UpperLayer
@@ -131,11 +131,20 @@ class StrataFS(pyfuse3.Operations):
             d = self._nodes[inode]
             for child in d.children.values():
                 if any(h.node.inode == child for h in self._handles.values()):
-                    raise StrataError(f"sandbox {sid} is open; close it (stop its VM) first")
+                    raise Conflict(f"sandbox {sid} is open; close it (stop its VM) first")
             for child in d.children.values():
                 self._nodes.pop(child, None)
             del self.sandboxes.children[sid]
             self._nodes.pop(inode, None)
+        # The kernel caches sandboxes/SID -> old inode for entry_timeout; a
+        # sandbox re-created under the same id (resume after pause) must not
+        # be looked up through the stale entry. Called from the control
+        # thread, never from a request handler, so the synchronous form is safe.
+        for parent, name in ((inode, "disk.img"), (self.sandboxes.inode, sid)):
+            try:
+                pyfuse3.invalidate_entry(parent, name.encode())
+            except (OSError, RuntimeError) as exc:  # ENOENT: the kernel had not cached it
+                log.debug("invalidate %s: %s", name, exc)
 
     def _image_dir(self, name: str) -> Node | None:
         """images/NAME:TAG, resolved on demand so new imports appear without a remount."""

@@ -26,32 +26,26 @@ import contextlib
 import json
 import os
 import sys
-import tomllib
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .chunk import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL
-from .errors import InvalidInput, StrataError
+from .config import load_config, parse_bytes
+from .errors import StrataError
 from .store import Store, inspect_image, open_store
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PROBLEMS = 3
-EXTENSIONS = ("fusefs.cli", "vmm.cli")
+EXTENSIONS = ("fusefs.cli", "vmm.cli", "api.server")
 
 
 def parse_size(text: str) -> int:
-    """Parse `1048576`, `64K`, `1M`, `1MiB`, `2G` (powers of 1024) into bytes."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
-    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned and cleaned[-1] in units else (cleaned, "")
+    """Parse `1048576`, `64K`, `1M`, `1MiB`, `2G` (powers of 1024) into bytes (argparse type)."""
     try:
-        value = int(number)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 1048576, 64K, 1M, 2G)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: negative")
-    return value * units[unit]
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def human_bytes(n: float) -> str:
@@ -60,33 +54,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def load_config(env: dict[str, str]) -> dict[str, str]:
-    """Merge the config file under the environment; returns the effective env."""
-    path = Path(os.path.expanduser(env.get("STRATA_CONFIG", "~/.config/strata/config.toml")))
-    if not path.is_file():
-        if "STRATA_CONFIG" in env:
-            raise InvalidInput(f"config file {path} (from STRATA_CONFIG) does not exist")
-        return env
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InvalidInput(f"config file {path}: {exc}") from None
-    merged = dict(env)
-    known = {"store": "STRATA_STORE", "state_dir": "STRATA_STATE_DIR"}
-    s3_known = {"endpoint": "STRATA_S3_ENDPOINT", "region": "STRATA_S3_REGION", "path_style": "STRATA_S3_PATH_STYLE"}
-    for key, value in data.items():
-        if key in known:
-            merged.setdefault(known[key], str(value))
-        elif key == "s3" and isinstance(value, dict):
-            for skey, svalue in value.items():
-                if skey not in s3_known:
-                    raise InvalidInput(f"config file {path}: unknown key s3.{skey}")
-                merged.setdefault(s3_known[skey], str(svalue).lower() if isinstance(svalue, bool) else str(svalue))
-        else:
-            raise InvalidInput(f"config file {path}: unknown key {key!r}")
-    return merged
 
 
 class Output:

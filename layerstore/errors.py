@@ -21,6 +21,11 @@ class NotFound(StrataError):
     """A named object (key, ref, manifest, chunk) does not exist."""
 
 
+class Conflict(StrataError):
+    """The request is valid but the object is in the wrong state for it
+    (pausing a paused sandbox, deleting a snapshot a template uses)."""
+
+
 class CorruptObject(StrataError):
     """Stored bytes fail verification: wrong digest, undecodable, truncated."""
 

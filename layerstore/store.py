@@ -32,13 +32,14 @@ from .backend import Backend, RetryingBackend
 from .catalog import Catalog
 from .chunk import DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decode_chunk, encode_chunk
 from .digest import check_digest, digest_bytes
+from .config import DEFAULT_STATE_DIR
 from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
 from .refs import Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
+from .templates import Template, parse_template, template_key
 
-DEFAULT_STATE_DIR = "~/.local/state/strata"
 
 
 class Store:
@@ -171,6 +172,41 @@ class Store:
     def list_snapshots(self) -> list[str]:
         """Ids of every snapshot in the store."""
         return sorted(key.split("/", 1)[1] for key, _ in self.backend.list("snapshots/") if is_snapshot_key(key))
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot manifest; its layers and chunks stay until GC."""
+        self.get_snapshot(snapshot_id)  # NotFound with a clear message
+        self.backend.delete(snapshot_key(snapshot_id))
+
+    # templates ------------------------------------------------------------------
+    def put_template(self, template: Template) -> None:
+        """Publish a template after checking what it names exists."""
+        if template.kind == "image":
+            self.resolve(template.target)
+        else:
+            self.get_snapshot(template.target)
+        self.backend.put(template.key, template.encode())
+
+    def get_template(self, name: str) -> Template:
+        try:
+            return parse_template(name, self.backend.get(template_key(name)))
+        except NotFound:
+            raise NotFound(f"template {name} not found in {self.describe()}") from None
+
+    def list_templates(self) -> list[Template]:
+        out = []
+        for key, _size in self.backend.list("templates/"):
+            name = key.split("/", 1)[1]
+            try:
+                out.append(self.get_template(name))
+            except (NotFound, CorruptObject, InvalidInput):
+                continue
+        return sorted(out, key=lambda t: t.name)
+
+    def delete_template(self, name: str) -> Template:
+        template = self.get_template(name)
+        self.backend.delete(template.key)
+        return template
 
     # refs ---------------------------------------------------------------------
     def resolve(self, ref: Ref | str) -> str:

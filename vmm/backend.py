@@ -11,9 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from layerstore.errors import StrataError
+
 from .agent import Agent
 
 DEFAULT_CMDLINE = "console=ttyS0 quiet panic=-1"
+
+
+class VmmError(StrataError):
+    """A VM could not be started, controlled or saved."""
 
 
 @dataclass(frozen=True)

@@ -34,15 +34,11 @@ from layerstore.errors import StrataError
 
 from .accel import Accel, detect
 from .agent import Agent
-from .backend import VmSpec
+from .backend import VmmError, VmSpec
 from .qmp import QMP, QMPError
 
 log = logging.getLogger("strata.vmm")
 QEMU_BINARY = "qemu-system-x86_64"
-
-
-class VmmError(StrataError):
-    """A VM could not be started, controlled or saved."""
 
 
 def _alive(pid: int, workdir: Path) -> bool:

@@ -34,8 +34,11 @@ RECORD = "sandbox.json"
 
 @dataclass
 class SandboxRecord:
-    """One sandbox. `state` is what we last did to it (running | paused);
-    whether its VM process is still alive is asked of the backend."""
+    """One sandbox. `state` is what we last did to it: running, paused
+    (vCPUs stopped, VM in memory) or suspended (snapshotted, VM and upper
+    layer gone: costs the node nothing but the record); whether its VM
+    process is still alive is asked of the backend. The lifetime fields are
+    the API's (TTL, what happens on expiry, since when it sleeps)."""
 
     sid: str
     backend: str
@@ -47,6 +50,10 @@ class SandboxRecord:
     last_snapshot: str | None = None
     last_memory: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    template: str = ""
+    end_at: float | None = None
+    auto_pause: bool = False
+    suspended_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
 

@@ -17,6 +17,9 @@ service) can find and control it again:
 
 from __future__ import annotations
 
+import ctypes
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusefs.client import call
-from layerstore.errors import InvalidInput, MissingChunk, NotFound, StrataError
+from layerstore.errors import Conflict, InvalidInput, MissingChunk, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
 from layerstore.snapshot import Snapshot
@@ -84,7 +87,8 @@ class Sandboxes:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def _call(self, request: dict) -> dict:
+    def control(self, request: dict) -> dict:
+        """One request to the mount daemon (sandbox disks, seals, cache)."""
         return call(self.mount, request, env=self._env)
 
     @contextmanager
@@ -103,6 +107,8 @@ class Sandboxes:
 
     def _claim(self, sid: str | None) -> str:
         sid = sid or new_sid()
+        if len(sid) > 60:  # the RAM layer is <sid>.mem, and mount names stop at 64
+            raise InvalidInput(f"sandbox id {sid[:20]}... is longer than 60 characters")
         if self.registry.exists(sid):
             raise InvalidInput(f"sandbox {sid} already exists")
         return sid
@@ -110,12 +116,25 @@ class Sandboxes:
     def get(self, sid: str) -> Sandbox:
         """The sandbox `sid` with a live VM handle (attaching if another process started it)."""
         record = self.registry.load(sid)
+        if record.state == "suspended":
+            raise Conflict(f"sandbox {sid} is paused to the store: resume it first")
         vm = self._vms.get(sid)
         if vm is None or not vm.alive():
             if record.backend != self.backend.name:
                 raise InvalidInput(f"sandbox {sid} runs on {record.backend}, this node uses {self.backend.name}")
             vm = self._vms[sid] = self.backend.attach(self.registry.workdir(sid))
         return Sandbox(record, vm, self.registry.workdir(sid))
+
+    def update(self, sid: str, **fields: object) -> SandboxRecord:
+        """Change fields of a sandbox's record (metadata, lifetime) under its lock."""
+        with self._locked(sid):
+            record = self.registry.load(sid)
+            for key, value in fields.items():
+                if not hasattr(record, key):
+                    raise InvalidInput(f"sandbox records have no field {key!r}")
+                setattr(record, key, value)
+            self.registry.save(record)
+            return record
 
     def list(self) -> list[dict[str, object]]:
         """Every sandbox's record, with `alive` telling whether its VM process runs."""
@@ -126,17 +145,22 @@ class Sandboxes:
             rows.append({**record.__dict__, "alive": alive})
         return rows
 
-    def _start(self, record: SandboxRecord, spec: VmSpec, disk_request: dict) -> Sandbox:
-        """Create the sandbox disk, start the VM; on failure remove both."""
-        self._call({"op": "sandbox_create", "sid": record.sid, **disk_request})
+    def _start(self, record: SandboxRecord, spec: VmSpec, disk_request: dict, memory_layer: str, *,
+               keep_record: bool = False) -> Sandbox:
+        """Create the sandbox's disk and RAM upper layers, start the VM; on
+        failure remove all of it (and the record, unless it predates this
+        start: a wake)."""
         work = self.registry.workdir(record.sid)
-        self.registry.save(record)
-        started = time.monotonic()
         try:
+            self.control({"op": "sandbox_create", "sid": record.sid, **disk_request})
+            self.control({"op": "sandbox_create", "sid": memory_sid(record.sid), "manifest": memory_layer})
+            self.registry.save(record)
+            started = time.monotonic()
             vm = self.backend.start(spec)
         except BaseException:
-            self._call({"op": "sandbox_remove", "sid": record.sid})
-            self.registry.remove(record.sid)
+            self._remove_uppers(record.sid)
+            if not keep_record:
+                self.registry.remove(record.sid)
             raise
         record.timings["restore" if spec.incoming else "boot"] = time.monotonic() - started
         record.pid = vm.pid
@@ -145,7 +169,7 @@ class Sandboxes:
         return Sandbox(record, vm, work)
 
     def boot(self, image: str, *, sid: str | None = None, memory_mib: int | None = None,
-             metadata: dict[str, str] | None = None) -> Sandbox:
+             metadata: dict[str, str] | None = None, **lifetime: object) -> Sandbox:
         """A new sandbox: a copy-on-write disk over `image` (NAME:TAG), booted;
         returns once the guest agent answers."""
         ref = parse_ref(image)
@@ -153,14 +177,16 @@ class Sandboxes:
         with self._guard:
             sid = self._claim(sid)
             memory = memory_mib or self.memory_mib
-            record = SandboxRecord(sid, self.backend.name, f"image:{ref}", memory, metadata=dict(metadata or {}))
+            record = SandboxRecord(sid, self.backend.name, f"image:{ref}", memory, metadata=dict(metadata or {}),
+                                   **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
         with self._locked(sid):
             return self._start(record, VmSpec(
                 kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
                 disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work, memory_mib=memory,
-                cmdline=DEFAULT_CMDLINE, memory_file=work / "ram", memory_shared=True), {"image": str(ref)})
+                cmdline=DEFAULT_CMDLINE, memory_file=self._memory_path(sid)),
+                {"image": str(ref)}, self._zero_memory(memory))
 
     def pause(self, sid: str) -> Sandbox:
         """Stop the vCPUs (memory and disk stay as they are)."""
@@ -174,6 +200,9 @@ class Sandboxes:
             return sandbox
 
     def resume(self, sid: str) -> Sandbox:
+        """Continue the vCPUs, or wake a sandbox suspended to the store."""
+        if self.registry.load(sid).state == "suspended":
+            return self.wake(sid)
         with self._locked(sid):
             sandbox = self.get(sid)
             started = time.monotonic()
@@ -187,8 +216,8 @@ class Sandboxes:
         """Snapshot `sid` into the store; returns the snapshot id.
 
         The sandbox ends as it was (running or paused) unless `resume` says
-        otherwise. Incremental: RAM is imported with the previous snapshot's
-        RAM as parent and the disk's seal holds only chunks dirtied since.
+        otherwise. Incremental: the seals of the RAM and disk upper layers
+        hold only the chunks dirtied since the previous snapshot.
         """
         with self._locked(sid):
             return self._snapshot(sid, resume)
@@ -202,10 +231,11 @@ class Sandboxes:
         sandbox.vm.pause()
         state = sandbox.workdir / "state"
         sandbox.vm.save_state(state)
+        self._flush_mount()  # guest RAM pages dirty in the page cache reach the upper layer first
         t1 = time.monotonic()
-        disk = self._call({"op": "seal", "sid": sid, "wait": True})["manifest"]
+        disk = self.control({"op": "seal", "sid": sid, "wait": True})["manifest"]
+        memory = self.control({"op": "seal", "sid": memory_sid(sid), "wait": True})["manifest"]
         t2 = time.monotonic()
-        memory = import_image(self.store, sandbox.workdir / "ram", parent=record.last_memory).manifest_id
         state_id = import_image(self.store, state).manifest_id
         snap = Snapshot(
             layers={"disk": disk, "memory": memory, "state": state_id},
@@ -216,7 +246,7 @@ class Sandboxes:
         )
         snapshot_id = self.store.put_snapshot(snap)
         t3 = time.monotonic()
-        record.last_snapshot, record.last_memory = snapshot_id, memory
+        record.last_snapshot = snapshot_id
         if resume:
             sandbox.vm.resume()
         record.state = "running" if resume else "paused"
@@ -225,7 +255,7 @@ class Sandboxes:
         return snapshot_id
 
     def restore(self, snapshot_id: str, *, sid: str | None = None,
-                metadata: dict[str, str] | None = None) -> Sandbox:
+                metadata: dict[str, str] | None = None, **lifetime: object) -> Sandbox:
         """A new sandbox started from a snapshot, its RAM and disk served lazily."""
         snap = self.store.get_snapshot(snapshot_id)
         self._check_complete(snapshot_id, snap)
@@ -233,19 +263,58 @@ class Sandboxes:
             sid = self._claim(sid)
             memory = int(snap.vm["memory_mib"])  # type: ignore[arg-type]
             record = SandboxRecord(sid, self.backend.name, f"snapshot:{snapshot_id}", memory,
-                                   last_snapshot=snapshot_id, last_memory=snap.layers["memory"],
-                                   metadata=dict(metadata or {}))
+                                   last_snapshot=snapshot_id, metadata=dict(metadata or {}),
+                                   **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
-        served = self.mount / "snapshots" / snapshot_id
         with self._locked(sid):
-            return self._start(record, VmSpec(
-                kernel=self.mount / "layers" / str(snap.vm["kernel"]) / "disk.img",
-                initrd=self.mount / "layers" / str(snap.vm["initrd"]) / "disk.img",
-                disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work,
-                memory_mib=memory, cmdline=str(snap.vm["cmdline"]),
-                memory_file=served / "memory", memory_shared=False, incoming=served / "state"),
-                {"manifest": snap.layers["disk"]})
+            return self._start(record, self._restore_spec(snapshot_id, snap, work), {"manifest": snap.layers["disk"]},
+                               snap.layers["memory"])
+
+    def _restore_spec(self, snapshot_id: str, snap: Snapshot, work: Path) -> VmSpec:
+        served = self.mount / "snapshots" / snapshot_id
+        return VmSpec(
+            kernel=self.mount / "layers" / str(snap.vm["kernel"]) / "disk.img",
+            initrd=self.mount / "layers" / str(snap.vm["initrd"]) / "disk.img",
+            disk=self.mount / "sandboxes" / work.name / "disk.img", workdir=work,
+            memory_mib=int(snap.vm["memory_mib"]), cmdline=str(snap.vm["cmdline"]),  # type: ignore[arg-type]
+            memory_file=self._memory_path(work.name), incoming=served / "state")
+
+    def suspend(self, sid: str) -> str:
+        """Snapshot, then stop the VM and drop the upper layer: the sandbox
+        keeps its id and record but costs the node no memory or disk until
+        `wake`. Returns the snapshot id."""
+        with self._locked(sid):
+            record = self.registry.load(sid)
+            if record.state == "suspended":
+                raise Conflict(f"sandbox {sid} is already paused")
+            snapshot_id = self._snapshot(sid, resume=False)
+            self._stop(sid)
+            record = self.registry.load(sid)
+            record.state, record.pid, record.suspended_at = "suspended", None, time.time()
+            self.registry.save(record)
+            return snapshot_id
+
+    def wake(self, sid: str, **lifetime: object) -> Sandbox:
+        """Restore a suspended sandbox from its snapshot, under the same id."""
+        with self._locked(sid):
+            record = self.registry.load(sid)
+            if record.state != "suspended" or record.last_snapshot is None:
+                raise Conflict(f"sandbox {sid} is not paused")
+            snap = self.store.get_snapshot(record.last_snapshot)
+            self._check_complete(record.last_snapshot, snap)
+            record.state, record.suspended_at = "running", None
+            for key, value in lifetime.items():
+                setattr(record, key, value)
+            work = self.registry.workdir(sid)
+            (work / "state").unlink(missing_ok=True)  # left over from before the suspend
+            try:
+                return self._start(record, self._restore_spec(record.last_snapshot, snap, work),
+                                   {"manifest": snap.layers["disk"]}, snap.layers["memory"], keep_record=True)
+            except BaseException:
+                record.state, record.suspended_at = "suspended", time.time()
+                self.registry.save(record)
+                raise
 
     def _check_complete(self, snapshot_id: str, snap: Snapshot) -> None:
         """Refuse to start a VM whose memory or disk could fault on a missing chunk.
@@ -264,12 +333,14 @@ class Sandboxes:
                 f"{self.store.describe()} (e.g. {sorted(missing)[0]})"
             )
 
-    def fork(self, sid: str, count: int, *, prefix: str | None = None) -> list[Sandbox]:
+    def fork(self, sid: str, count: int, *, names: list[str] | None = None, **lifetime: object) -> list[Sandbox]:
         """Snapshot `sid` once (it keeps running), then restore `count`
-        independent sandboxes from it, each with its own upper layer."""
+        independent sandboxes from it, each with its own upper layer
+        (named `names`, default SID-fork1..N)."""
         if not 1 <= count <= MAX_FORKS:
             raise InvalidInput(f"fork count {count} must be between 1 and {MAX_FORKS}")
-        names = [f"{prefix or sid}-fork{i + 1}" for i in range(count)]
+        self.registry.load(sid)  # NotFound before anything happens
+        names = names or [f"{sid}-fork{i + 1}" for i in range(count)]
         taken = [n for n in names if self.registry.exists(n)]
         if taken:
             raise InvalidInput(f"sandbox {taken[0]} already exists")
@@ -277,7 +348,7 @@ class Sandboxes:
         forks: list[Sandbox] = []
         try:
             for name in names:
-                forks.append(self.restore(snapshot_id, sid=name))
+                forks.append(self.restore(snapshot_id, sid=name, **lifetime))
         except BaseException:
             for fork in forks:
                 self.kill(fork.sid)
@@ -291,19 +362,71 @@ class Sandboxes:
         mount's cache pins."""
         with self._locked(sid):
             self.registry.load(sid)  # NotFound for an unknown id
-            vm = self._vms.pop(sid, None)
-            if vm is None:
-                try:
-                    vm = self.backend.attach(self.registry.workdir(sid))
-                except StrataError:
-                    self.backend.destroy(self.registry.workdir(sid))
-            if vm is not None:
-                vm.kill()
-            try:
-                self._call({"op": "sandbox_remove", "sid": sid})
-            except NotFound:
-                pass
+            self._stop(sid)
             self.registry.remove(sid)
         with self._guard:
             self._locks.pop(sid, None)
+
+    def _stop(self, sid: str) -> None:
+        """Stop the VM (if any) and remove the sandbox disk (if any)."""
+        vm = self._vms.pop(sid, None)
+        if vm is None and self.backend.is_running(self.registry.workdir(sid)):
+            try:
+                vm = self.backend.attach(self.registry.workdir(sid))
+            except StrataError:
+                self.backend.destroy(self.registry.workdir(sid))
+        if vm is not None:
+            vm.kill()
+        self._remove_uppers(sid)
+
+    def _remove_uppers(self, sid: str, *, timeout: float = 10.0) -> None:
+        """Remove the disk and RAM upper layers. The kernel tells the mount a
+        dead VM's files are closed asynchronously (RAM was a shared mapping),
+        so an "is open" refusal right after a kill is waited out briefly."""
+        deadline = time.monotonic() + timeout
+        for name in (sid, memory_sid(sid)):
+            while True:
+                try:
+                    self.control({"op": "sandbox_remove", "sid": name})
+                except NotFound:
+                    pass
+                except Conflict:
+                    if time.monotonic() < deadline:
+                        time.sleep(0.02)
+                        continue
+                    raise
+                break
+
+    def _memory_path(self, sid: str) -> Path:
+        return self.mount / "sandboxes" / memory_sid(sid) / "disk.img"
+
+    def _zero_memory(self, memory_mib: int) -> str:
+        """The layer a booted VM's RAM starts from: all holes (costs nothing to store)."""
+        name = f"zero-{memory_mib}M"
+        with self._guard:
+            if name not in self._boot_layers:
+                with tempfile.NamedTemporaryFile(dir=self.registry.root, prefix=".zero-") as f:
+                    f.truncate(memory_mib << 20)
+                    self._boot_layers[name] = import_image(self.store, f.name).manifest_id
+            return self._boot_layers[name]
+
+    def _flush_mount(self) -> None:
+        """Write back every dirty page of the mount (guest RAM is a shared
+        mapping of a file on it) without opening that file: syncfs(2)."""
+        fd = os.open(self.mount, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _libc().syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise StrataError(f"syncfs on {self.mount} failed: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+
+
+def memory_sid(sid: str) -> str:
+    """The mount's name for a sandbox's RAM upper layer: sandboxes/<sid>.mem/disk.img."""
+    return f"{sid}.mem"
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 

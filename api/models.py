@@ -1,0 +1,217 @@
+"""Request and response bodies of the node API.
+
+The sandbox models follow E2B's public OpenAPI spec (e2b-dev/E2B
+spec/openapi.yml) field for field, so E2B's SDKs and clients work unchanged;
+fields E2B sends that Strata does not act on are accepted and ignored. The
+rest are Strata's own (images, snapshots, cache, exec).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# E2B's envd is not served (sandboxes run Strata's agent; see POST .../exec):
+# the version is the oldest the E2B SDK accepts, so it never assumes envd features.
+ENVD_VERSION = "0.1.0"
+CLIENT_ID = "strata"
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Error(BaseModel):
+    code: int = Field(description="HTTP status code")
+    message: str = Field(description="what went wrong, in one line")
+
+
+# --- E2B sandbox lifecycle ------------------------------------------------------
+class NewSandbox(Lenient):
+    templateID: str = Field(description="template (named image or snapshot) or image NAME:TAG")
+    timeout: int | None = Field(None, description="seconds to live; default from the node's config")
+    autoPause: bool = Field(False, description="pause instead of kill when the timeout expires")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    envVars: dict[str, str] = Field(default_factory=dict)
+
+
+class Sandbox(BaseModel):
+    templateID: str
+    sandboxID: str
+    clientID: str = CLIENT_ID
+    envdVersion: str = ENVD_VERSION
+    alias: str | None = None
+    envdAccessToken: str | None = None
+    trafficAccessToken: str | None = None
+    domain: str | None = None
+
+
+class ListedSandbox(BaseModel):
+    templateID: str
+    alias: str | None = None
+    sandboxID: str
+    clientID: str = CLIENT_ID
+    startedAt: datetime
+    endAt: datetime
+    cpuCount: int
+    memoryMB: int
+    diskSizeMB: int
+    state: Literal["running", "paused"]
+    envdVersion: str = ENVD_VERSION
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class Lifecycle(BaseModel):
+    autoResume: bool = False
+    onTimeout: Literal["kill", "pause"]
+
+
+class SandboxDetail(ListedSandbox):
+    domain: str | None = None
+    lifecycle: Lifecycle
+
+
+class SandboxTimeoutRequest(Lenient):
+    timeout: int = Field(description="seconds from now; replaces the TTL")
+
+
+class SandboxRefreshRequest(Lenient):
+    duration: int | None = Field(None, description="seconds (0..3600) to extend the TTL by, from now")
+
+
+class SandboxPauseRequest(Lenient):
+    memory: bool = Field(True, description="keep memory (Strata always snapshots memory and disk)")
+    requireHealthyGuest: bool = False
+
+
+class ConnectSandbox(Lenient):
+    timeout: int | None = Field(None, description="seconds to live from now (only ever extends the TTL)")
+
+
+class ResumedSandbox(Lenient):
+    timeout: int | None = None
+    autoPause: bool | None = None
+
+
+class SandboxForkRequest(Lenient):
+    timeout: int | None = Field(None, description="seconds to live for each fork")
+    count: int = Field(1, description="number of forks, 1..100")
+
+
+class SandboxForkResult(BaseModel):
+    sandbox: Sandbox | None = None
+    error: Error | None = None
+
+
+class SandboxSnapshotRequest(Lenient):
+    name: str | None = Field(None, description="also publish the snapshot as a template of this name")
+
+
+class SnapshotInfo(BaseModel):
+    snapshotID: str
+    names: list[str]
+
+
+class Template(BaseModel):
+    templateID: str
+    buildID: str
+    cpuCount: int
+    memoryMB: int
+    diskSizeMB: int
+    public: bool = False
+    aliases: list[str]
+    names: list[str]
+    createdAt: datetime
+    updatedAt: datetime
+    createdBy: None = None
+    lastSpawnedAt: datetime | None = None
+    spawnCount: int = 0
+    buildCount: int = 1
+    envdVersion: str = ENVD_VERSION
+    buildStatus: Literal["ready"] = "ready"
+    kind: Literal["image", "snapshot"] = Field(description="Strata: what the template names")
+    target: str = Field(description="Strata: the image NAME:TAG or snapshot id")
+
+
+class NewTemplate(BaseModel):
+    name: str = Field(description="template name (letters, digits, '.', '_', '-')")
+    image: str | None = Field(None, description="an imported image NAME:TAG")
+    snapshot: str | None = Field(None, description="a snapshot id")
+
+
+# --- Strata's own -----------------------------------------------------------------
+class ExecRequest(BaseModel):
+    command: str = Field(description="run with `sh -c` in the guest")
+    timeout: float = Field(60, description="seconds, 1..3600")
+
+
+class ExecResult(BaseModel):
+    exitCode: int
+    output: str = Field(description="stdout and stderr together")
+
+
+class ImageInfo(BaseModel):
+    ref: str
+    manifest: str
+    size: int | None
+    updated: int | None = None
+
+
+class ImageDetail(BaseModel):
+    ref: str
+    manifest: str
+    size: int
+    chunk_size: int
+    layers: int
+    data_chunks: int
+    hole_chunks: int
+    unique_chunks: int
+    stored_bytes: int
+    missing_chunks: int
+
+
+class ImportResult(BaseModel):
+    ref: str
+    manifest: str
+    size: int
+    new_chunks: int
+    new_stored_bytes: int
+    seconds: float
+
+
+class SnapshotLayer(BaseModel):
+    role: str
+    manifest: str
+    size: int
+    stored_bytes: int
+
+
+class SnapshotDetail(BaseModel):
+    snapshotID: str
+    parents: list[str] = Field(description="parent chain, nearest first")
+    layers: list[SnapshotLayer]
+    stored_bytes: int = Field(description="compressed bytes of every chunk the snapshot needs")
+    vm: dict[str, object]
+    annotations: dict[str, str]
+    templates: list[str]
+
+
+class CacheStats(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    size: int
+    capacity: int
+    hits: int
+    misses: int
+
+
+class PinRequest(BaseModel):
+    image: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    store: str
+    mount: bool
+    sandboxes: int

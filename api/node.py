@@ -1,0 +1,323 @@
+"""One node's sandbox service: the API's semantics on top of `vmm.Sandboxes`.
+
+What E2B's API means and the VMM layer does not know about lives here:
+templates (a named image or snapshot) -> boot or restore; lifetimes (a TTL
+per sandbox, kill or pause on expiry, a retention limit for paused ones);
+E2B's "pause" = suspend (snapshot, then free the VM: a paused sandbox costs
+the node only its record); a warm pool of pre-restored, vCPU-paused
+sandboxes per template; the node's capacity limit; metrics.
+
+Everything persistent is in the sandbox records (vmm/registry.py) and the
+store, so a restarted node lists its paused sandboxes and resumes them.
+A reaper thread applies lifetimes once a second; a pool thread refills
+warm pools. `reap(now)` and `fill_pools()` are plain methods so tests drive
+them directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from layerstore.config import NodeConfig
+from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
+from layerstore.refs import parse_ref
+from layerstore.store import Store
+from layerstore.templates import check_template_name
+from vmm.registry import SandboxRecord, new_sid
+from vmm.sandbox import MAX_FORKS, Sandboxes
+
+from .metrics import Metrics
+
+log = logging.getLogger("strata.api")
+POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
+
+
+class Capacity(StrataError):
+    """The node holds as many sandboxes as it is configured to."""
+
+
+@dataclass(frozen=True)
+class Source:
+    template: str  # the templateID the client used
+    kind: str  # image | snapshot
+    target: str
+
+
+class Node:
+    def __init__(self, config: NodeConfig, store: Store, boxes: Sandboxes, metrics: Metrics) -> None:
+        self.config = config
+        self.store = store
+        self.boxes = boxes
+        self.metrics = metrics
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._vmm_time = threading.local()
+        self._pool_lock = threading.Lock()
+
+    # background work ---------------------------------------------------------------
+    def start(self) -> None:
+        """Reconcile with what survived a restart, then start the reaper and pool threads."""
+        for record in self.boxes.registry.all():
+            if record.state in ("running", "paused") and not self.boxes.backend.is_running(
+                    self.boxes.registry.workdir(record.sid)):
+                log.warning("sandbox %s: its VM is gone (host restarted?); removing it", record.sid)
+                self._quietly(self.boxes.kill, record.sid)
+        for target in (self._reaper, self._pooler):
+            thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def _reaper(self) -> None:
+        while not self._stop.wait(1.0):
+            self.reap(time.time())
+
+    def _pooler(self) -> None:
+        while not self._stop.is_set():
+            self.fill_pools()
+            self._stop.wait(2.0)
+
+    def _quietly(self, action: object, *args: object) -> None:
+        try:
+            action(*args)  # type: ignore[operator]
+        except StrataError as exc:
+            log.error("%s%s: %s", getattr(action, "__name__", action), args, exc)
+            self.metrics.error(exc)
+
+    def reap(self, now: float) -> list[tuple[str, str]]:
+        """Apply lifetimes: expired sandboxes are paused (autoPause) or killed;
+        paused ones past the retention limit are removed. Returns what was done."""
+        done = []
+        for record in self.boxes.registry.all():
+            if POOL_KEY in record.metadata:
+                continue
+            if record.state == "suspended":
+                if record.suspended_at is not None and now - record.suspended_at > self.config.paused_retention:
+                    self._quietly(self.boxes.kill, record.sid)
+                    done.append((record.sid, "reclaimed"))
+            elif record.end_at is not None and now >= record.end_at:
+                if record.auto_pause:
+                    self._quietly(self.boxes.suspend, record.sid)
+                    done.append((record.sid, "paused"))
+                else:
+                    self._quietly(self.boxes.kill, record.sid)
+                    done.append((record.sid, "killed"))
+        for sid, action in done:
+            log.info("sandbox %s: timeout reached, %s", sid, action)
+        return done
+
+    # warm pool -------------------------------------------------------------------------
+    def _pool(self, template: str) -> list[SandboxRecord]:
+        return [r for r in self.boxes.registry.all() if r.metadata.get(POOL_KEY) == template]
+
+    def fill_pools(self) -> int:
+        """Top every configured pool up to its size; returns sandboxes added."""
+        added = 0
+        for template, size in self.config.warm_pool.items():
+            while not self._stop.is_set() and len(self._pool(template)) < size:
+                try:
+                    source = self.source(template)
+                    sb = self._start(source, sid=new_sid(), metadata={POOL_KEY: template}, timeout=None,
+                                     auto_pause=False)
+                    self.boxes.pause(sb.sid)
+                    added += 1
+                except StrataError as exc:
+                    log.error("warm pool %s: %s", template, exc)
+                    self.metrics.error(exc)
+                    break
+        return added
+
+    def _take_from_pool(self, template: str) -> SandboxRecord | None:
+        with self._pool_lock:
+            for record in self._pool(template):
+                if record.state == "paused" and self.boxes.backend.is_running(self.boxes.registry.workdir(record.sid)):
+                    record.metadata.pop(POOL_KEY)
+                    self.boxes.update(record.sid, metadata=record.metadata)
+                    return record
+        return None
+
+    # helpers ---------------------------------------------------------------------------
+    @contextmanager
+    def vmm(self, op: str) -> Iterator[None]:
+        """Time a call into the VMM layer: a latency histogram, and the share
+        of this request spent there (the API reports it in Server-Timing)."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            elapsed = time.monotonic() - started
+            self.metrics.lifecycle.labels(op).observe(elapsed)
+            self._vmm_time.total = getattr(self._vmm_time, "total", 0.0) + elapsed
+
+    def take_vmm_seconds(self) -> float:
+        total = getattr(self._vmm_time, "total", 0.0)
+        self._vmm_time.total = 0.0
+        return total
+
+    def _ttl(self, timeout: int | None, *, default: bool = True) -> float | None:
+        if timeout is None:
+            return self.config.sandbox_timeout if default else None
+        if not 1 <= timeout <= self.config.max_timeout:
+            raise InvalidInput(f"timeout {timeout} s is outside 1..{int(self.config.max_timeout)} s")
+        return float(timeout)
+
+    def source(self, template_id: str) -> Source:
+        """A template name, or an image NAME:TAG, as what to boot or restore."""
+        if ":" in template_id:
+            ref = str(parse_ref(template_id))
+            self.store.resolve(ref)
+            return Source(template_id, "image", ref)
+        try:
+            check_template_name(template_id)
+        except InvalidInput:
+            raise NotFound(f"template {template_id!r} not found") from None
+        template = self.store.get_template(template_id)
+        return Source(template_id, template.kind, template.target)
+
+    def record(self, sid: str) -> SandboxRecord:
+        """The client-visible sandbox `sid` (ids that cannot exist are simply unknown)."""
+        try:
+            record = self.boxes.registry.load(sid)
+        except InvalidInput:
+            raise NotFound(f"sandbox {sid!r} not found") from None
+        except NotFound:
+            raise NotFound(f"sandbox {sid} not found") from None
+        if POOL_KEY in record.metadata:
+            raise NotFound(f"sandbox {sid} not found")
+        return record
+
+    def records(self) -> list[SandboxRecord]:
+        return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
+
+    def _check_capacity(self, adding: int) -> None:
+        held = len(self.records())
+        if held + adding > self.config.max_sandboxes:
+            raise Capacity(f"this node holds {held} sandboxes; the limit is {self.config.max_sandboxes}")
+
+    def _start(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
+               auto_pause: bool) -> SandboxRecord:
+        lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
+                    "auto_pause": auto_pause}
+        if source.kind == "image":
+            with self.vmm("create"):
+                return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
+                                       metadata=metadata, **lifetime).record
+        with self.vmm("create"):
+            return self.boxes.restore(source.target, sid=sid, metadata=metadata, **lifetime).record
+
+    # lifecycle ---------------------------------------------------------------------------
+    def create(self, template_id: str, *, timeout: int | None, auto_pause: bool,
+               metadata: dict[str, str]) -> SandboxRecord:
+        ttl = self._ttl(timeout)
+        if POOL_KEY in metadata:
+            raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
+        source = self.source(template_id)
+        self._check_capacity(1)
+        pooled = self._take_from_pool(template_id) if template_id in self.config.warm_pool else None
+        if pooled is not None:
+            with self.vmm("create"):
+                self.boxes.resume(pooled.sid)
+            self.metrics.pool_hits.inc()
+            return self.boxes.update(pooled.sid, metadata=metadata, template=template_id,
+                                     end_at=time.time() + ttl, auto_pause=auto_pause)  # type: ignore[operator]
+        return self._start(source, sid=new_sid(), metadata=metadata, timeout=ttl, auto_pause=auto_pause)
+
+    def kill(self, sid: str) -> None:
+        self.record(sid)
+        with self.vmm("kill"):
+            self.boxes.kill(sid)
+
+    def pause(self, sid: str) -> str:
+        """E2B's pause: snapshot to the store and free the VM (Conflict if already paused)."""
+        if self.record(sid).state == "suspended":
+            raise Conflict(f"sandbox {sid} is already paused")
+        with self.vmm("pause"):
+            return self.boxes.suspend(sid)
+
+    def resume(self, sid: str, timeout: int | None) -> SandboxRecord:
+        record = self.record(sid)
+        if record.state != "suspended":
+            raise Conflict(f"sandbox {sid} is already running")
+        ttl = self._ttl(timeout)
+        with self.vmm("resume"):
+            return self.boxes.wake(sid, end_at=time.time() + ttl).record  # type: ignore[operator]
+
+    def connect(self, sid: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+        """Running: extend the TTL if `timeout` reaches further (200). Paused: resume (201)."""
+        record = self.record(sid)
+        if record.state == "suspended":
+            return self.resume(sid, timeout), True
+        ttl = self._ttl(timeout)
+        end = max(record.end_at or 0.0, time.time() + ttl)  # type: ignore[operator]
+        if record.state == "paused":  # vCPUs stopped by an operator: continue them
+            with self.vmm("resume"):
+                self.boxes.resume(sid)
+        return self.boxes.update(sid, end_at=end), False
+
+    def set_timeout(self, sid: str, timeout: int) -> None:
+        self.record(sid)
+        ttl = self._ttl(timeout)
+        self.boxes.update(sid, end_at=time.time() + ttl)  # type: ignore[operator]
+
+    def refresh(self, sid: str, duration: int | None) -> None:
+        record = self.record(sid)
+        duration = 60 if duration is None else duration
+        if not 0 <= duration <= 3600:
+            raise InvalidInput(f"duration {duration} s is outside 0..3600 s")
+        self.boxes.update(sid, end_at=max(record.end_at or 0.0, time.time() + duration))
+
+    def fork(self, sid: str, count: int, timeout: int | None) -> list[SandboxRecord]:
+        if not 1 <= count <= MAX_FORKS:
+            raise InvalidInput(f"fork count {count} is outside 1..{MAX_FORKS}")
+        record = self.record(sid)
+        if record.state == "suspended":
+            raise Conflict(f"sandbox {sid} is paused: resume it before forking")
+        ttl = self._ttl(timeout)
+        self._check_capacity(count)
+        with self.vmm("fork"):
+            forks = self.boxes.fork(sid, count, names=[new_sid() for _ in range(count)], template=record.template,
+                                    end_at=time.time() + ttl, auto_pause=record.auto_pause)  # type: ignore[operator]
+        return [f.record for f in forks]
+
+    def snapshot(self, sid: str, name: str | None) -> tuple[str, list[str]]:
+        record = self.record(sid)
+        if name is not None:
+            check_template_name(name)
+        if record.state == "suspended":
+            snapshot_id = record.last_snapshot
+            assert snapshot_id is not None
+        else:
+            with self.vmm("snapshot"):
+                snapshot_id = self.boxes.snapshot(sid)
+        if name is not None:
+            from layerstore.templates import new_template
+
+            self.store.put_template(new_template(name, "snapshot", snapshot_id))
+        return snapshot_id, [name] if name else []
+
+    def exec(self, sid: str, command: str, timeout: float):  # noqa: ANN201
+        self.record(sid)
+        if not 1 <= timeout <= 3600:
+            raise InvalidInput(f"timeout {timeout} s is outside 1..3600 s")
+        with self.vmm("exec"):
+            return self.boxes.get(sid).vm.agent.run(command, timeout=timeout)
+
+    def snapshots_in_use(self) -> dict[str, list[str]]:
+        """Snapshot id -> what still needs it (templates, paused sandboxes)."""
+        users: dict[str, list[str]] = {}
+        for template in self.store.list_templates():
+            if template.kind == "snapshot":
+                users.setdefault(template.target, []).append(f"template {template.name}")
+        for record in self.boxes.registry.all():
+            if record.state == "suspended" and record.last_snapshot:
+                users.setdefault(record.last_snapshot, []).append(f"paused sandbox {record.sid}")
+        return users

@@ -1,0 +1,273 @@
+"""The node API over real HTTP (`strata serve` on loopback) with real TCG
+sandboxes: the official e2b SDK round trip, Strata's own endpoints, bad
+input that must change nothing, lifetimes, restart, warm pool, metrics and a
+schemathesis run against /openapi.json."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import needs_qemu
+from tests.node_server import ADMIN_KEY, API_KEY, ROOT, NodeServer
+
+pytestmark = needs_qemu
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, guest: Path) -> Iterator[NodeServer]:
+    srv = NodeServer(tmp_path_factory.mktemp("node"), guest, STRATA_MAX_UPLOAD="16M")
+    srv.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    srv.start()
+    r = srv.client.post("/templates", json={"name": "base", "image": "guest:v1"})
+    assert r.status_code == 201, r.text
+    yield srv
+    srv.cleanup()
+    assert subprocess.run(["pgrep", "-f", str(srv.tmp / "state")], capture_output=True).stdout == b""
+
+
+def ids(srv: NodeServer, **params: str) -> list[str]:
+    r = srv.client.get("/v2/sandboxes", params=params)
+    assert r.status_code == 200, r.text
+    return sorted(s["sandboxID"] for s in r.json())
+
+
+def run(srv: NodeServer, sid: str, command: str) -> str:
+    r = srv.client.post(f"/sandboxes/{sid}/exec", json={"command": command})
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    return r.json()["output"].strip()
+
+
+def test_auth(server: NodeServer) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200  # the one open endpoint
+    for headers in ({}, {"X-API-Key": "wrong-key-123"}, {"X-API-Key": API_KEY[:-1]}):
+        for path in ("/v2/sandboxes", "/openapi.json", "/metrics", "/images"):
+            r = httpx.get(server.url + path, headers=headers)
+            assert r.status_code == 401 and r.json()["code"] == 401, (path, headers, r.text)
+    assert server.client.get("/admin/sandboxes").status_code == 403  # an API key is not an admin key
+    assert server.admin.get("/admin/sandboxes").status_code == 200
+    assert server.admin.get("/v2/sandboxes").status_code == 200  # an admin key is also an API key
+
+
+def test_e2b_sdk_round_trip(server: NodeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The official e2b SDK: create, list, get_info, set_timeout, pause, connect (resume), kill."""
+    from e2b import Sandbox, SandboxQuery, SandboxState
+
+    monkeypatch.setenv("E2B_API_URL", server.url)
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    sbx = Sandbox.create(template="base", timeout=120, metadata={"owner": "sdk test"}, envs={"A": "1"})
+    sid = sbx.sandbox_id
+    listed = Sandbox.list(query=SandboxQuery(metadata={"owner": "sdk test"})).next_items()
+    assert [s.sandbox_id for s in listed] == [sid]
+    assert Sandbox.list(query=SandboxQuery(metadata={"owner": "nobody"})).next_items() == []
+    info = sbx.get_info()
+    assert info.template_id == "base" and info.state == SandboxState.RUNNING and info.metadata == {"owner": "sdk test"}
+    sbx.set_timeout(900)
+    assert (Sandbox.get_info(sid).end_at - info.started_at).total_seconds() > 800
+    run(server, sid, "echo before-pause > /root/kept; sync")
+    assert sbx.pause() is True
+    assert Sandbox.pause(sid) is False  # already paused: 409, which the SDK reports as False
+    assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+    assert [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()] == [sid]
+    resumed = Sandbox.connect(sid, timeout=300)
+    assert resumed.sandbox_id == sid and Sandbox.get_info(sid).state == SandboxState.RUNNING
+    assert run(server, sid, "cat /root/kept") == "before-pause"
+    Sandbox.connect(sid, timeout=60)  # running: 200, the TTL is not shortened
+    assert (Sandbox.get_info(sid).end_at - Sandbox.get_info(sid).started_at).total_seconds() > 250
+    assert sbx.kill() is True
+    assert Sandbox.kill(sid) is False
+    assert ids(server) == []
+
+
+def test_bad_input_changes_nothing(server: NodeServer) -> None:
+    c = server.client
+    sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 300}).json()["sandboxID"]
+    before = sorted((r["sid"], r["state"]) for r in server.admin.get("/admin/sandboxes").json())
+    images_before = c.get("/images").json()
+    cases = [
+        ("GET", "/sandboxes/nope", None, 404), ("DELETE", "/sandboxes/nope", None, 404),
+        ("POST", "/sandboxes/nope/pause", None, 404), ("POST", "/v2/sandboxes/nope/connect", {}, 404),
+        ("POST", "/sandboxes/nope/timeout", {"timeout": 10}, 404), ("POST", "/sandboxes/nope/fork", {"count": 1}, 404),
+        ("POST", "/sandboxes/nope/snapshots", {}, 404), ("GET", "/sandboxes/..%2F..%2Fetc", None, 404),
+        ("DELETE", "/sandboxes/.mem", None, 404), ("GET", "/snapshots/" + "0" * 64, None, 404),
+        ("GET", "/snapshots/../../x", None, 404), ("DELETE", "/templates/nope", None, 404),
+        ("GET", "/images/nope:v1", None, 404), ("DELETE", "/images/..%2Fx:v1", None, 404),
+        ("POST", "/sandboxes", {"templateID": "nope"}, 404), ("POST", "/sandboxes", {"templateID": "../x"}, 404),
+        ("POST", "/sandboxes", {"templateID": "nope:v9"}, 404),
+        ("POST", "/sandboxes", {}, 400), ("POST", "/sandboxes", {"templateID": 5}, 400),
+        ("POST", "/sandboxes", {"templateID": "base", "timeout": -1}, 400),
+        ("POST", "/sandboxes", {"templateID": "base", "timeout": 10 ** 9}, 400),
+        ("POST", f"/sandboxes/{sid}/fork", {"count": 0}, 400), ("POST", f"/sandboxes/{sid}/fork", {"count": 101}, 400),
+        ("POST", f"/sandboxes/{sid}/timeout", {"timeout": 0}, 400), ("POST", f"/sandboxes/{sid}/timeout", {}, 400),
+        ("POST", f"/sandboxes/{sid}/refreshes", {"duration": 4000}, 400),
+        ("POST", f"/sandboxes/{sid}/exec", {"command": "true", "timeout": 0}, 400),
+        ("POST", f"/sandboxes/{sid}/snapshots", {"name": "../evil"}, 400),
+        ("POST", "/templates", {"name": "t", "image": "guest:v1", "snapshot": "a" * 64}, 400),
+        ("POST", "/templates", {"name": "../t", "image": "guest:v1"}, 400),
+        ("POST", "/templates", {"name": "t", "image": "nope:v1"}, 404),
+        ("POST", f"/sandboxes/{sid}/pause", "not json", 400),
+    ]
+    for method, path, body, status in cases:
+        kwargs = {"content": body} if isinstance(body, str) else {"json": body} if body is not None else {}
+        r = c.request(method, path, headers={"content-type": "application/json"} if body is not None else {}, **kwargs)
+        assert r.status_code == status, (method, path, body, r.status_code, r.text)
+        assert r.json()["code"] == status and r.json()["message"], (method, path, r.text)
+    # oversized uploads: refused from Content-Length before reading, and mid-stream without one
+    r = c.put("/images/big:v1", content=b"\0" * (17 << 20), headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 413, r.text
+    r = c.put("/images/big:v1", content=iter([b"x" * (1 << 20)] * 17), headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 413, r.text
+    r = c.put("/images/..:v1", content=b"x" * 10, headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 400, r.text
+    after = sorted((r["sid"], r["state"]) for r in server.admin.get("/admin/sandboxes").json())
+    assert after == before and c.get("/images").json() == images_before
+    assert c.get("/templates").json()[0]["templateID"] == "base" and len(c.get("/templates").json()) == 1
+    assert not list((server.tmp / "state" / "uploads").iterdir())  # refused uploads leave no file
+    assert c.delete(f"/sandboxes/{sid}").status_code == 204
+
+
+def test_image_upload_streamed(server: NodeServer, tmp_path: Path) -> None:
+    data = os.urandom(3 << 20) + b"\0" * (4 << 20) + b"tail"
+    c = server.client
+    r = c.put("/images/up:v1", content=iter([data[i:i + 65536] for i in range(0, len(data), 65536)]),
+              headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 201, r.text
+    assert r.json()["size"] == len(data)
+    assert "up:v1" in [i["ref"] for i in c.get("/images").json()]
+    detail = c.get("/images/up:v1").json()
+    assert detail["size"] == len(data) and detail["hole_chunks"] >= 3 and detail["missing_chunks"] == 0
+    server.strata("image", "export", "up:v1", str(tmp_path / "out.img"))
+    assert (tmp_path / "out.img").read_bytes() == data
+    assert c.delete("/images/up:v1").status_code == 204
+    assert c.get("/images/up:v1").status_code == 404
+
+
+def test_fork_snapshot_and_templates(server: NodeServer) -> None:
+    c = server.client
+    src = c.post("/sandboxes", json={"templateID": "guest:v1", "timeout": 600}).json()["sandboxID"]
+    run(server, src, "echo parent > /root/who; sync")
+    r = c.post(f"/sandboxes/{src}/fork", json={"count": 2, "timeout": 300})
+    assert r.status_code == 201, r.text
+    forks = [f["sandbox"]["sandboxID"] for f in r.json()]
+    assert len(forks) == 2 and len(set(forks + [src])) == 3
+    for f in forks:
+        assert run(server, f, "cat /root/who") == "parent"
+        run(server, f, f"echo {f} > /root/who; sync")
+    assert [run(server, f, "cat /root/who") for f in forks] == forks and run(server, src, "cat /root/who") == "parent"
+
+    r = c.post(f"/sandboxes/{src}/snapshots", json={"name": "parent-snap"})
+    assert r.status_code == 201, r.text
+    snap = r.json()["snapshotID"]
+    assert r.json()["names"] == ["parent-snap"]
+    assert {"snapshotID": snap, "names": ["parent-snap"]} in c.get("/snapshots", params={"sandboxID": src}).json()
+    detail = c.get(f"/snapshots/{snap}").json()
+    assert {layer["role"] for layer in detail["layers"]} == {"disk", "memory", "state"}
+    assert detail["stored_bytes"] > 0 and detail["templates"] == ["parent-snap"] and len(detail["parents"]) >= 1
+    assert "parent-snap" in [t["templateID"] for t in c.get("/templates").json()]
+    child = c.post("/sandboxes", json={"templateID": "parent-snap"}).json()["sandboxID"]
+    assert run(server, child, "cat /root/who") == "parent"
+    assert c.delete(f"/snapshots/{snap}").status_code == 409  # the template still needs it
+    assert c.delete("/templates/parent-snap").status_code == 204
+    assert c.delete(f"/snapshots/{snap}").status_code == 204
+    assert c.get(f"/snapshots/{snap}").status_code == 404
+    for sid in [src, child, *forks]:
+        assert c.delete(f"/sandboxes/{sid}").status_code == 204
+    assert ids(server) == []
+
+
+def test_lifetimes(server: NodeServer) -> None:
+    c = server.client
+    doomed = c.post("/sandboxes", json={"templateID": "base", "timeout": 2}).json()["sandboxID"]
+    sleeper = c.post("/sandboxes", json={"templateID": "base", "timeout": 2, "autoPause": True}).json()["sandboxID"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if c.get(f"/sandboxes/{doomed}").status_code == 404 and c.get(f"/sandboxes/{sleeper}").json()["state"] == "paused":
+            break
+        time.sleep(0.5)
+    assert c.get(f"/sandboxes/{doomed}").status_code == 404  # killed at its timeout
+    detail = c.get(f"/sandboxes/{sleeper}").json()
+    assert detail["state"] == "paused" and detail["lifecycle"]["onTimeout"] == "pause"
+    r = c.post(f"/sandboxes/{sleeper}/connect", json={"timeout": 300})
+    assert r.status_code == 201  # resumed
+    assert c.post(f"/sandboxes/{sleeper}/connect", json={"timeout": 300}).status_code == 200
+    assert c.delete(f"/sandboxes/{sleeper}").status_code == 204
+
+
+def test_paused_sandboxes_survive_a_restart(server: NodeServer) -> None:
+    c = server.client
+    sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 600, "metadata": {"k": "v"}}).json()["sandboxID"]
+    running = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+    run(server, sid, "echo survived > /root/state; sync")
+    assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+    server.stop()
+    server.start()
+    assert ids(server, state="paused") == [sid] and ids(server, state="running") == [running]
+    assert c.get(f"/sandboxes/{sid}").json()["metadata"] == {"k": "v"}
+    assert c.post(f"/sandboxes/{sid}/resume", json={"timeout": 300}).status_code == 201
+    assert run(server, sid, "cat /root/state") == "survived"
+    assert run(server, running, "echo still-up") == "still-up"  # its VM kept running through the restart
+    for s in (sid, running):
+        assert c.delete(f"/sandboxes/{s}").status_code == 204
+
+
+def test_metrics(server: NodeServer) -> None:
+    c = server.client
+    sid = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
+    assert c.get("/sandboxes/nope").status_code == 404
+    text = c.get("/metrics").text
+    assert 'strata_sandboxes{state="running"} 1.0' in text
+    assert c.delete(f"/sandboxes/{sid}").status_code == 204
+    text = c.get("/metrics").text
+    for needle in ('strata_sandboxes{state="running"}', 'strata_lifecycle_seconds_bucket{le="0.5",op="create"}',
+                   "strata_cache_hits", 'strata_http_request_seconds_count{method="POST",route="/sandboxes",status="201"}'):
+        assert needle in text, needle
+    assert 'strata_sandboxes{state="running"} 0.0' in text
+    assert 'strata_errors_total{kind="NotFound"} 1.0' in text  # the 404 above
+
+
+def test_warm_pool(server: NodeServer) -> None:
+    server.stop()
+    server.start("--warm-pool", "base=1")
+    c, admin = server.client, server.admin
+
+    def pool() -> list[str]:
+        return [r["sid"] for r in admin.get("/admin/sandboxes").json()
+                if "strata.pool" in r["metadata"] and r["state"] == "paused"]  # ready to hand out
+
+    deadline = time.monotonic() + 120
+    while not pool() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    first = pool()
+    assert len(first) == 1 and ids(server) == []  # pool sandboxes are never listed
+    r = c.post("/sandboxes", json={"templateID": "base", "metadata": {"from": "pool"}})
+    assert r.status_code == 201 and r.json()["sandboxID"] == first[0]  # handed out, not booted
+    assert c.get(f"/sandboxes/{first[0]}").json()["metadata"] == {"from": "pool"}
+    assert run(server, first[0], "echo warm") == "warm"
+    while (not pool() or pool() == first) and time.monotonic() < deadline + 60:
+        time.sleep(0.5)
+    assert len(pool()) == 1 and pool() != first  # refilled in the background
+    assert c.delete(f"/sandboxes/{first[0]}").status_code == 204
+    server.stop()
+    server.start()
+
+
+def test_schemathesis(server: NodeServer) -> None:
+    """Generated requests against /openapi.json: no 5xx, every response matches the schema."""
+    result = subprocess.run(
+        [str(ROOT / ".venv/bin/schemathesis"), "run", f"{server.url}/openapi.json",
+         "-H", f"X-API-Key: {ADMIN_KEY}", "--checks", "not_a_server_error,response_schema_conformance,"
+         "status_code_conformance,content_type_conformance", "--max-examples", "8", "--phases", "examples,fuzzing",
+         "--generation-deterministic", "--request-timeout", "120"],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    summary = result.stdout[result.stdout.rfind("Test cases:"):]
+    assert " passed" in summary and "failed" not in summary, summary
+    for sid in ids(server):  # a generated create that happened to name a real template
+        server.client.delete(f"/sandboxes/{sid}")

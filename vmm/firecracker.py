@@ -1,0 +1,823 @@
+"""The Firecracker backend: `firecracker --api-sock SOCK` driven over its REST API.
+
+For production hosts with a real KVM (Firecracker has no emulation fallback;
+`vmm.accel.detect` must say "kvm"). Each VM gets its work directory:
+
+    firecracker.sock  the API socket (HTTP/1.1 over AF_UNIX)
+    firecracker.log   Firecracker's log (--log-path) and stderr
+    serial.in         FIFO: Firecracker's stdin, i.e. host -> guest ttyS0
+    serial.out        FIFO: Firecracker's stdout, i.e. guest ttyS0 -> host
+    agent.lock        flock()ed by the one process that talks to the agent
+    disk              symlink to the VM's disk (see "Restore" below)
+    vm.json           pid and paths, so another process can `attach`
+
+API use (field names checked against firecracker-microvm/firecracker
+src/firecracker/swagger/firecracker.yaml at 81b38b9d (1.17.0-dev; the fields
+used here are unchanged since v1.16.1) and docs/snapshotting/snapshot-support.md):
+
+    boot     PUT /machine-config {vcpu_count, mem_size_mib, track_dirty_pages}
+             PUT /boot-source    {kernel_image_path, initrd_path, boot_args}
+             PUT /drives/rootfs  {drive_id, path_on_host, is_root_device,
+                                  is_read_only, cache_type}
+             PUT /actions        {action_type: InstanceStart}
+    pause    PATCH /vm {state: Paused}      resume  PATCH /vm {state: Resumed}
+    save     PUT /snapshot/create {snapshot_type: Full, snapshot_path, mem_file_path}
+    restore  PUT /snapshot/load {snapshot_path, mem_backend: {backend_type: File,
+             backend_path}, track_dirty_pages, resume_vm: true}   (fresh process)
+    status   GET / -> InstanceInfo.state: "Not started" | "Running" | "Paused"
+    errors   non-2xx with body {"fault_message": "..."} (swagger `Error`)
+
+Snapshots are always Full. Firecracker also has Diff snapshots (dirty pages
+only, to be merged onto a base with snapshot-editor), but Strata's incremental
+snapshots come from chunk dedup of the whole memory file against the parent
+memory layer, so a Full file is all it needs and there is nothing to merge.
+Restore maps the memory file MAP_PRIVATE (snapshot-support.md, "Snapshot
+files management"; persist.rs opens it read-only), so a lazily served FUSE
+file is paged in on demand and never written.
+
+Restore: snapshot-support.md says the disk files "need to be accessible at the
+same relative paths to the new Firecracker process". Firecracker runs with
+cwd = workdir and its drive is the relative path `disk`, a symlink to
+`spec.disk`; a restored VM (new workdir, new copy-on-write disk) gets its own
+`disk` symlink, so the path recorded in the snapshot resolves to its own disk.
+
+Guest agent: Firecracker has one UART (ttyS0) wired to its stdin/stdout and no
+virtio-serial. Boot args therefore drop `console=ttyS0` (kernel messages go to
+tty0 and are discarded; otherwise printk lines would interleave with agent
+lines) and add `strata.agent=/dev/ttyS0`. Firecracker only reads a stdin that
+is a tty or a FIFO (src/vmm/src/devices/legacy/serial.rs, `is_fifo`: a socket
+is ignored), and our VMs outlive the process that started them, so the serial
+is two named FIFOs in the workdir that any later process can open; Firecracker
+holds both open O_RDWR, so it never sees EOF or EPIPE when hosts come and go.
+
+Kernel: released Firecracker (<= 1.16) boots only an uncompressed ELF vmlinux
+on x86_64. `ensure_vmlinux` derives one from a bzImage (our guest's vmlinuz)
+and caches it by content hash. Devices: with `pci=True` (the default, needs
+Firecracker >= 1.13, `--enable-pci`) the disk is virtio-pci, which our
+initramfs already loads; with `pci=False` it is virtio-mmio described in ACPI,
+which needs virtio_mmio.ko in the initramfs.
+"""
+
+from __future__ import annotations
+
+import bz2
+import fcntl
+import hashlib
+import http.client
+import json
+import logging
+import lzma
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+import zlib
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable
+
+from layerstore.errors import StrataError
+
+from .accel import Accel, detect
+from .agent import Agent, AgentError
+from .backend import VmmError, VmSpec
+
+log = logging.getLogger("strata.vmm")
+
+FIRECRACKER_BINARY = "firecracker"
+RELEASES_URL = "https://github.com/firecracker-microvm/firecracker/releases"
+API_SOCK = "firecracker.sock"
+LOG_FILE = "firecracker.log"
+SERIAL_IN = "serial.in"
+SERIAL_OUT = "serial.out"
+AGENT_LOCK = "agent.lock"
+DISK_LINK = "disk"
+VM_JSON = "vm.json"
+RAM_FILE = "ram"  # where a restored VM's RAM goes on save_state (the name Sandboxes imports)
+DRIVE_ID = "rootfs"
+# Firecracker makes its stdout O_NONBLOCK (device_manager/mod.rs,
+# set_stdout_nonblocking): guest output that does not fit the FIFO is lost.
+SERIAL_PIPE_SIZE = 1 << 20
+STATES = MappingProxyType({"Running": "running", "Paused": "paused", "Not started": "not-started"})
+
+
+# --- kernel: vmlinux from a bzImage ------------------------------------------
+
+ELF_MAGIC = b"\x7fELF"
+EM_X86_64 = 62
+LZ4_LEGACY_MAGIC = 0x184C2102
+
+
+def _lz4_block(src: memoryview, out: bytearray) -> None:
+    """Append one decompressed LZ4 block (the raw block format) to `out`."""
+    i, n = 0, len(src)
+    while i < n:
+        token = src[i]
+        i += 1
+        length = token >> 4
+        if length == 15:
+            while True:
+                b = src[i]
+                i += 1
+                length += b
+                if b != 255:
+                    break
+        out += src[i:i + length]
+        i += length
+        if i >= n:  # the last sequence has literals only
+            return
+        offset = src[i] | (src[i + 1] << 8)
+        i += 2
+        length = token & 15
+        if length == 15:
+            while True:
+                b = src[i]
+                i += 1
+                length += b
+                if b != 255:
+                    break
+        length += 4
+        if not 0 < offset <= len(out):
+            raise ValueError("corrupt LZ4 block (bad match offset)")
+        start = len(out) - offset
+        if offset >= length:
+            out += out[start:start + length]
+        else:  # overlapping match: the last `offset` bytes repeat
+            pattern = out[start:]
+            out += (pattern * (length // offset + 1))[:length]
+
+
+def _lz4_legacy(data: bytes) -> bytes:
+    """Decompress the LZ4 "legacy" frame the kernel uses (`lz4 -l`): magic, then
+    blocks of [u32 compressed size][block]. Pure Python (no new dependency);
+    ~1.3 s for Debian's 53 MB cloud vmlinux, and the result is cached."""
+    view = memoryview(data)
+    if struct.unpack_from("<I", view, 0)[0] != LZ4_LEGACY_MAGIC:
+        raise ValueError("not an LZ4 legacy frame")
+    out = bytearray()
+    pos = 4
+    while pos + 4 <= len(view):
+        size = struct.unpack_from("<I", view, pos)[0]
+        if size == LZ4_LEGACY_MAGIC:  # concatenated frame
+            pos += 4
+            continue
+        if pos + 4 + size > len(view):  # the kernel's appended size field (or trailing padding)
+            break
+        _lz4_block(view[pos + 4:pos + 4 + size], out)
+        pos += 4 + size
+    return bytes(out)
+
+
+def _zstd(data: bytes) -> bytes:
+    import zstandard  # a project dependency; imported only for zstd kernels
+
+    return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+
+
+# (magic, name, decompress): each decompressor stops at the end of its stream
+# and ignores what follows (the kernel appends the uncompressed size).
+DECOMPRESSORS: tuple[tuple[bytes, str, Callable[[bytes], bytes]], ...] = (
+    (b"\x1f\x8b\x08", "gzip", lambda d: zlib.decompressobj(31).decompress(d)),
+    (b"\xfd7zXZ\x00", "xz", lambda d: lzma.LZMADecompressor(lzma.FORMAT_XZ).decompress(d)),
+    (b"\x28\xb5\x2f\xfd", "zstd", _zstd),
+    (b"\x02\x21\x4c\x18", "lz4", _lz4_legacy),
+    (b"BZh", "bzip2", lambda d: bz2.BZ2Decompressor().decompress(d)),
+    (b"\x5d\x00\x00", "lzma", lambda d: lzma.LZMADecompressor(lzma.FORMAT_ALONE).decompress(d)),
+)
+
+
+def check_vmlinux(data: bytes) -> None:
+    """Raise VmmError unless `data` starts like an x86_64 ELF kernel."""
+    if data[:4] != ELF_MAGIC:
+        raise VmmError("kernel image is not an ELF file")
+    if data[4] != 2 or data[5] != 1:
+        raise VmmError("kernel image is not a 64-bit little-endian ELF")
+    machine = struct.unpack_from("<H", data, 18)[0]
+    if machine != EM_X86_64:
+        raise VmmError(f"kernel image is for ELF machine {machine}, not x86_64 ({EM_X86_64})")
+
+
+def extract_vmlinux(image: bytes) -> bytes:
+    """The uncompressed ELF vmlinux inside a bzImage.
+
+    Released Firecracker boots only ELF kernels on x86_64, while distribution
+    kernels ship as bzImage. Like the kernel's scripts/extract-vmlinux we look
+    for a compressed payload and decompress it, accepting the first result
+    that is an ELF file; but first we try the exact payload the boot header
+    points at (payload_offset/payload_length, boot protocol >= 2.08), which
+    avoids false magic matches inside the payload. An ELF input is returned
+    as is. Debian 12's cloud kernel is LZ4 (CONFIG_KERNEL_LZ4).
+    """
+    if image[:4] == ELF_MAGIC:
+        check_vmlinux(image)
+        return image
+    if image[0x202:0x206] != b"HdrS":
+        raise VmmError("kernel image is neither an ELF vmlinux nor a bzImage (no HdrS header)")
+    setup_sects = image[0x1F1] or 4
+    protected = (setup_sects + 1) * 512
+    candidates: list[int] = []
+    if struct.unpack_from("<H", image, 0x206)[0] >= 0x208:
+        offset, length = struct.unpack_from("<II", image, 0x248)
+        candidates.append(protected + offset)
+        image_end = protected + offset + length
+    else:
+        image_end = len(image)
+    for magic, _name, _fn in DECOMPRESSORS:  # extract-vmlinux's scan, as a fallback
+        at = image.find(magic, protected)
+        while at != -1:
+            candidates.append(at)
+            at = image.find(magic, at + 1)
+    tried: list[str] = []
+    for at in dict.fromkeys(candidates):
+        end = image_end if at < image_end else len(image)
+        for magic, name, decompress in DECOMPRESSORS:
+            if image.startswith(magic, at):
+                try:
+                    out = decompress(image[at:end])
+                except Exception:  # noqa: BLE001 - any decoder error means "not this offset"
+                    tried.append(f"{name}@{at}")
+                    continue
+                if out[:4] == ELF_MAGIC:
+                    check_vmlinux(out)
+                    return out
+                tried.append(f"{name}@{at}")
+    raise VmmError(f"no ELF vmlinux found in the bzImage (tried {', '.join(tried[:6]) or 'nothing'}"
+                   f"{', ...' if len(tried) > 6 else ''}); LZO kernels are not supported")
+
+
+def default_kernel_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata" / "vmlinux"
+
+
+def ensure_vmlinux(kernel: Path, cache_dir: Path) -> Path:
+    """A path Firecracker can boot: `kernel` itself if it is an ELF vmlinux,
+    else a vmlinux extracted once into `cache_dir`, named by the bzImage's
+    sha256 (so a rebuilt kernel never reuses a stale extraction)."""
+    with open(kernel, "rb") as f:
+        if f.read(4) == ELF_MAGIC:
+            return kernel
+    image = kernel.read_bytes()
+    out = cache_dir / f"vmlinux-{hashlib.sha256(image).hexdigest()[:32]}"
+    if out.exists():
+        return out
+    started = time.monotonic()
+    vmlinux = extract_vmlinux(image)
+    log.info("extracted vmlinux from %s into %s in %.1f s", kernel, out, time.monotonic() - started)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(vmlinux)
+    os.replace(tmp, out)
+    return out
+
+
+def firecracker_boot_args(cmdline: str, *, pci: bool) -> str:
+    """`cmdline` adapted to Firecracker's one UART being the agent's port.
+
+    `console=ttyS*` is dropped so only agent lines cross ttyS0 (the agent
+    tolerates CRLF but not printk text in the middle of a line); added:
+    `strata.agent=/dev/ttyS0`, `8250.nr_uarts=1` (the one UART Firecracker
+    emulates), `reboot=k` (a guest reboot or panic with panic=-1 ends the
+    Firecracker process, like QEMU's -no-reboot), the i8042 options of
+    Firecracker's default command line (skip probing for a mouse and a mux),
+    and `pci=off` without the PCI transport (skips useless probing).
+    """
+    words = [w for w in cmdline.split() if not w.startswith(("console=ttyS", "strata.agent="))]
+    keys = {w.split("=", 1)[0] for w in words}
+    extra = ["strata.agent=/dev/ttyS0", "8250.nr_uarts=1", "reboot=k", "i8042.noaux", "i8042.nomux",
+             "i8042.dumbkbd"] + ([] if pci else ["pci=off"])
+    return " ".join(words + [w for w in extra if w.split("=", 1)[0] not in keys])
+
+
+# --- the REST API over AF_UNIX -----------------------------------------------
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client speaking to a unix socket: Firecracker's API is HTTP/1.1 on
+    AF_UNIX only. The Host header stays "localhost" (ignored by Firecracker)."""
+
+    def __init__(self, socket_path: str, *, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class FirecrackerApi:
+    """One Firecracker process's API. A new connection per request: calls are
+    rare (boot, pause, snapshot), and no keep-alive state survives a VM that
+    another process controlled in between."""
+
+    def __init__(self, socket_path: Path, *, timeout: float = 30.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+             timeout: float | None = None) -> dict[str, Any] | None:
+        """Send one request; returns the JSON body (None for 204). A non-2xx
+        answer raises VmmError carrying Firecracker's fault_message."""
+        conn = UnixHTTPConnection(str(self.socket_path), timeout=timeout or self.timeout)
+        headers = {"Accept": "application/json"}
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise VmmError(f"firecracker API {method} {path} failed: {exc or type(exc).__name__} "
+                           "(VM stopped?)") from None
+        finally:
+            conn.close()
+        if not 200 <= response.status < 300:
+            raise VmmError(f"firecracker refused {method} {path} ({response.status}): "
+                           f"{_fault_message(raw) or response.reason}")
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise VmmError(f"firecracker API {method} {path} answered non-JSON: {raw[:200]!r}") from None
+
+    def put(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> None:
+        self.call("PUT", path, body, timeout=timeout)
+
+    def patch(self, path: str, body: dict[str, Any]) -> None:
+        self.call("PATCH", path, body)
+
+    def get(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return self.call("GET", path, timeout=timeout) or {}
+
+
+def _fault_message(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["fault_message"])
+    except (ValueError, KeyError, TypeError):
+        return raw.decode("utf-8", "replace").strip()[:500]
+
+
+# --- the guest agent over the serial port --------------------------------------
+
+
+class _SerialChannel:
+    """The host end of the guest's ttyS0: the two FIFOs Firecracker has as
+    stdin and stdout, with the subset of the socket API `Agent` uses
+    (sendall, recv, settimeout, close). Opening it takes agent.lock, so two
+    processes never read each other's replies; stale output left by an
+    earlier host is discarded (Agent also skips replies to unknown ids)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._lock = os.open(workdir / AGENT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise AgentError(f"the guest agent of {workdir} is in use by another process") from None
+        self._read = self._write = -1
+        try:
+            self._read = os.open(workdir / SERIAL_OUT, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            # ENXIO when nothing holds the FIFO for reading, i.e. Firecracker is gone
+            self._write = os.open(workdir / SERIAL_IN, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            self.close()
+            raise AgentError(f"guest serial port of {workdir} unavailable: {exc.strerror} (VM stopped?)") from None
+        while True:
+            try:
+                if not os.read(self._read, 65536):
+                    break
+            except BlockingIOError:
+                break
+        self._timeout: float | None = None
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+
+    def _wait(self, fd: int, event: int, timeout: float | None) -> bool:
+        poller = select.poll()  # not select(): a busy service may hold fds above 1024
+        poller.register(fd, event)
+        return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+    def recv(self, size: int) -> bytes:
+        if not self._wait(self._read, select.POLLIN, self._timeout):
+            raise TimeoutError("no guest output")
+        try:
+            return os.read(self._read, size)  # b"" once no writer is left: Firecracker exited
+        except BlockingIOError:
+            raise TimeoutError("no guest output") from None
+
+    def sendall(self, data: bytes) -> None:
+        # Agent's timeouts are about replies; input the port has not taken
+        # within 30 s means the guest stopped reading it.
+        view = memoryview(data)
+        deadline = time.monotonic() + 30.0
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the guest serial port takes no input")
+            if self._wait(self._write, select.POLLOUT, left):
+                try:
+                    view = view[os.write(self._write, view):]
+                except BlockingIOError:
+                    continue
+
+    def close(self) -> None:
+        for fd in (self._read, self._write, self._lock):
+            if fd >= 0:
+                os.close(fd)
+        self._read = self._write = self._lock = -1
+
+
+class SerialAgent(Agent):
+    """`Agent` over Firecracker's serial port instead of a unix socket.
+
+    Only the transport differs, so this overrides `_connect` to hand Agent a
+    `_SerialChannel` (socket-like) and keeps the protocol code (PING resends,
+    id matching, base64) in one place.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir / SERIAL_OUT)
+        self.workdir = workdir
+
+    def _connect(self, deadline: float) -> socket.socket:
+        if self._sock is None:
+            self._sock = _SerialChannel(self.workdir)  # type: ignore[assignment]
+        return self._sock  # type: ignore[return-value]
+
+    def connect(self) -> None:
+        """Open the port now (AgentError if another process holds it)."""
+        self._connect(time.monotonic())
+
+
+# --- VMs and the backend ---------------------------------------------------------
+
+
+def _alive(pid: int, marker: str) -> bool:
+    """True if `pid` is still the Firecracker whose argv holds `marker` (its
+    API socket path), not a recycled pid or a zombie."""
+    try:
+        return marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _exited(pid: int) -> bool:
+    """True once every thread of `pid` is a zombie or gone. After a kill,
+    `_alive` turning False is not enough: the cmdline empties while the
+    process is still exiting and holding its files, and a thread-group leader
+    shows "Z" while its other threads (vCPUs, API) still run. A killed pid
+    is not reused before it is reaped."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"]):
+            return False
+    return True
+
+
+def _cleanup(workdir: Path) -> None:
+    for name in (API_SOCK, SERIAL_IN, SERIAL_OUT, DISK_LINK, AGENT_LOCK):
+        try:
+            (workdir / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _log_tail(workdir: Path, lines: int = 2) -> str:
+    try:
+        text = (workdir / LOG_FILE).read_text(errors="replace")
+    except OSError:
+        return ""
+    tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return f" (firecracker: {' | '.join(tail)[-600:]})" if tail else ""
+
+
+class FirecrackerVm:
+    """A Firecracker VM we started, or attached to from its workdir (then
+    `proc` is None: another process started it and may have exited)."""
+
+    def __init__(self, pid: int, workdir: Path, api: FirecrackerApi, agent: SerialAgent, *,
+                 memory_out: Path | None, proc: subprocess.Popen | None = None,
+                 snapshot_timeout: float = 300.0, kill_grace: float = 0.5) -> None:
+        self.pid = pid
+        self.workdir = workdir
+        self.api = api
+        self.agent: Agent = agent
+        self.memory_out = memory_out
+        self.proc = proc
+        self.snapshot_timeout = snapshot_timeout
+        self.kill_grace = kill_grace
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return _alive(self.pid, str(self.api.socket_path))
+
+    def status(self) -> str:
+        """"running", "paused" or "not-started" (Firecracker's GET /), "exited" once gone."""
+        if not self.alive():
+            return "exited"
+        state = str(self.api.get("/").get("state"))
+        return STATES.get(state, state.lower())
+
+    def pause(self) -> None:
+        self.api.patch("/vm", {"state": "Paused"})
+
+    def resume(self) -> None:
+        self.api.patch("/vm", {"state": "Resumed"})
+
+    def save_state(self, path: Path) -> None:
+        """Device state to `path`, guest memory to the VM's memory file: its
+        `spec.memory_file` if that is its own (memory_shared), workdir/ram for
+        a VM restored from a read-only memory file, `<path>.mem` without one.
+        Paths are made absolute: Firecracker's cwd is the workdir."""
+        if self.status() != "paused":
+            raise VmmError("save_state needs a paused VM")
+        path = Path(path)
+        memory = self.memory_out or path.with_name(path.name + ".mem")
+        self.api.put("/snapshot/create", {"snapshot_type": "Full", "snapshot_path": os.path.abspath(path),
+                                          "mem_file_path": os.path.abspath(memory)},
+                     timeout=self.snapshot_timeout)
+
+    def _wait_gone(self, timeout: float) -> bool:
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        deadline = time.monotonic() + timeout
+        while not _exited(self.pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def kill(self) -> None:
+        """SIGTERM, a short grace, then SIGKILL to the process group.
+
+        No API call: SendCtrlAltDel needs the guest's i8042 handling to do
+        anything, and Firecracker holds no guest data worth a clean exit (the
+        block device writes straight through to the disk file). Twice is fine.
+        """
+        if self.alive():
+            for sig, wait in ((signal.SIGTERM, self.kill_grace), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.pid, sig)
+                except ProcessLookupError:
+                    break
+                if self._wait_gone(wait):
+                    break
+        elif self.proc is not None:
+            self.proc.poll()  # reap
+        self.agent.close()
+        _cleanup(self.workdir)
+
+
+class FirecrackerBackend:
+    """Starts Firecracker VMs; see the module docstring for the files and calls.
+
+    `pci` selects the virtio transport (True: `--enable-pci`, Firecracker >=
+    1.13, works with our initramfs as is). `kernel_cache` holds vmlinux files
+    extracted from bzImages. `accel` overrides KVM detection (tests).
+    """
+
+    name = "firecracker"
+
+    def __init__(self, *, binary: str | None = None, accel: Accel | None = None, pci: bool = True,
+                 kernel_cache: Path | None = None, track_dirty_pages: bool = False,
+                 api_timeout: float = 10.0, snapshot_timeout: float = 300.0, kill_grace: float = 0.5) -> None:
+        self.binary = binary or FIRECRACKER_BINARY
+        self.accel = accel
+        self.pci = pci
+        self.kernel_cache = kernel_cache or default_kernel_cache()
+        self.track_dirty_pages = track_dirty_pages
+        self.api_timeout = api_timeout
+        self.snapshot_timeout = snapshot_timeout
+        self.kill_grace = kill_grace
+
+    def _binary(self) -> str:
+        found = shutil.which(self.binary)
+        if found is None:
+            raise VmmError(f"VMM binary {self.binary} not found: install `firecracker` from {RELEASES_URL} "
+                           "(the release tarball's firecracker-vX.Y.Z-x86_64) onto PATH")
+        return found
+
+    def argv(self, spec: VmSpec) -> list[str]:
+        """The command line; `spec.extra` is appended (e.g. `--level Debug`)."""
+        work = Path(os.path.abspath(spec.workdir))
+        argv = [self.binary, "--api-sock", str(work / API_SOCK), "--log-path", str(work / LOG_FILE),
+                "--show-level"]
+        if self.pci:
+            argv.append("--enable-pci")
+        return argv + list(spec.extra)
+
+    @staticmethod
+    def _memory_out(spec: VmSpec) -> Path | None:
+        if spec.memory_file is None:
+            return None
+        return Path(os.path.abspath(spec.memory_file if spec.memory_shared else spec.workdir / RAM_FILE))
+
+    def _requests(self, spec: VmSpec, kernel: Path | None) -> list[tuple[str, dict[str, Any]]]:
+        """The PUTs that configure and start (or restore) the VM, in order."""
+        if spec.incoming is not None:
+            memory = spec.memory_file or spec.incoming.with_name(spec.incoming.name + ".mem")
+            return [("/snapshot/load", {
+                "snapshot_path": os.path.abspath(spec.incoming),
+                "mem_backend": {"backend_type": "File", "backend_path": os.path.abspath(memory)},
+                "track_dirty_pages": self.track_dirty_pages,  # not saved in snapshots
+                "resume_vm": True,
+            })]
+        assert kernel is not None
+        return [
+            ("/machine-config", {"vcpu_count": spec.cpus, "mem_size_mib": spec.memory_mib,
+                                 "track_dirty_pages": self.track_dirty_pages}),
+            ("/boot-source", {"kernel_image_path": os.path.abspath(kernel),
+                              "initrd_path": os.path.abspath(spec.initrd),
+                              "boot_args": firecracker_boot_args(spec.cmdline, pci=self.pci)}),
+            # is_root_device false: the initramfs mounts /dev/vda itself and
+            # switch_roots (true would only add an unused root=/dev/vda rw).
+            # Unsafe (Firecracker's default) = no virtio flush: every write
+            # already reaches the FUSE mount (no host writeback cache), which
+            # is all a seal needs.
+            (f"/drives/{DRIVE_ID}", {"drive_id": DRIVE_ID, "path_on_host": DISK_LINK, "is_root_device": False,
+                                     "is_read_only": False, "cache_type": "Unsafe"}),
+            ("/actions", {"action_type": "InstanceStart"}),
+        ]
+
+    def _check(self, spec: VmSpec) -> None:
+        accel = self.accel or detect()
+        if accel.name != "kvm":
+            raise VmmError(f"Firecracker needs a usable KVM, and here: {accel.reason}")
+        if spec.incoming is not None:
+            memory = spec.memory_file or spec.incoming.with_name(spec.incoming.name + ".mem")
+            for path, what in ((spec.incoming, "VM state"), (memory, "memory file")):
+                if not Path(path).exists():
+                    raise VmmError(f"{what} {path} does not exist")
+        else:
+            for path, what in ((spec.kernel, "kernel"), (spec.initrd, "initrd")):
+                if not Path(path).exists():
+                    raise VmmError(f"{what} {path} does not exist")
+        if not Path(spec.disk).exists():
+            raise VmmError(f"disk {spec.disk} does not exist")
+
+    def _prepare(self, spec: VmSpec) -> tuple[int, int]:
+        """Fresh FIFOs, disk symlink and log in the workdir; returns the fds
+        Firecracker gets as stdin and stdout (both O_RDWR: it then never sees
+        EOF on stdin nor EPIPE on stdout while no host is connected)."""
+        work = spec.workdir
+        work.mkdir(parents=True, exist_ok=True)
+        _cleanup(work)
+        os.mkfifo(work / SERIAL_IN, 0o600)
+        os.mkfifo(work / SERIAL_OUT, 0o600)
+        os.symlink(os.path.abspath(spec.disk), work / DISK_LINK)
+        (work / LOG_FILE).touch()  # releases before open_file_nonblock's O_CREAT needed it to exist
+        stdin = os.open(work / SERIAL_IN, os.O_RDWR | os.O_CLOEXEC)
+        stdout = os.open(work / SERIAL_OUT, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.fcntl(stdout, fcntl.F_SETPIPE_SZ, SERIAL_PIPE_SIZE)
+        except OSError:
+            pass  # above /proc/sys/fs/pipe-max-size: keep the 64 KiB default
+        return stdin, stdout
+
+    def _wait_api(self, proc: subprocess.Popen, api: FirecrackerApi) -> None:
+        deadline = time.monotonic() + self.api_timeout
+        while True:
+            if proc.poll() is not None:
+                raise VmmError(f"firecracker exited (status {proc.returncode}) before its API socket answered")
+            if api.socket_path.exists():
+                try:
+                    api.get("/", timeout=2)
+                    return
+                except VmmError:
+                    pass
+            if time.monotonic() > deadline:
+                raise VmmError(f"firecracker API socket {api.socket_path} did not answer within "
+                               f"{self.api_timeout:.0f} s")
+            time.sleep(0.01)
+
+    def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> FirecrackerVm:
+        """Boot (or restore, with `spec.incoming`) and return once the agent
+        answers; on any failure the process group is killed before raising."""
+        self._binary()
+        self._check(spec)
+        kernel = None if spec.incoming is not None else ensure_vmlinux(spec.kernel, self.kernel_cache)
+        work = spec.workdir
+        stdin, stdout = self._prepare(spec)
+        try:
+            with open(work / LOG_FILE, "ab") as logf:
+                proc = subprocess.Popen(self.argv(spec), stdin=stdin, stdout=stdout, stderr=logf, cwd=work,
+                                        start_new_session=True)
+        except OSError as exc:
+            _cleanup(work)
+            raise VmmError(f"cannot run {self.binary}: {exc}") from None
+        finally:
+            os.close(stdin)
+            os.close(stdout)
+        api = FirecrackerApi(Path(os.path.abspath(work)) / API_SOCK, timeout=30.0)
+        memory_out = self._memory_out(spec)
+        (work / VM_JSON).write_text(json.dumps({"pid": proc.pid, "api_sock": str(api.socket_path),
+                                                "memory_out": memory_out and str(memory_out), "pci": self.pci}))
+        agent = None
+        try:
+            self._wait_api(proc, api)
+            for path, body in self._requests(spec, kernel):
+                api.put(path, body, timeout=self.snapshot_timeout)
+            agent = SerialAgent(work)
+            try:
+                agent.wait_ready(ready_timeout)
+            except StrataError:
+                try:
+                    proc.wait(timeout=2)  # a guest that panics reboots, which ends Firecracker (reboot=k)
+                except subprocess.TimeoutExpired:
+                    pass
+                if proc.poll() is not None:
+                    raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
+                raise
+            return FirecrackerVm(proc.pid, work, api, agent, memory_out=memory_out, proc=proc,
+                                 snapshot_timeout=self.snapshot_timeout, kill_grace=self.kill_grace)
+        except BaseException as exc:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=10)
+            if agent is not None:
+                agent.close()
+            _cleanup(work)
+            if isinstance(exc, StrataError):
+                raise VmmError(f"{exc}{_log_tail(work)}; VM killed") from None
+            raise
+
+    @staticmethod
+    def _recorded(workdir: Path) -> tuple[int, str, dict[str, Any]] | None:
+        """(pid, API socket path, the whole note) from workdir/vm.json, if any."""
+        try:
+            info = json.loads((workdir / VM_JSON).read_text())
+            return int(info["pid"]), str(info["api_sock"]), info
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def is_running(self, workdir: Path) -> bool:
+        """Whether the VM recorded in `workdir` still runs (no API or agent needed)."""
+        recorded = self._recorded(workdir)
+        return recorded is not None and _alive(recorded[0], recorded[1])
+
+    def attach(self, workdir: Path, *, timeout: float = 5.0) -> FirecrackerVm:
+        """Take control of a VM started earlier, maybe by another process.
+
+        The API socket takes many clients, so exclusivity comes from the
+        agent's lock: a VM whose agent another live process holds is
+        reported as busy rather than shared.
+        """
+        recorded = self._recorded(workdir)
+        if recorded is None:
+            raise VmmError(f"no VM recorded in {workdir}")
+        pid, sock, info = recorded
+        if not _alive(pid, sock):
+            raise VmmError(f"the VM (pid {pid}) is no longer running")
+        api = FirecrackerApi(Path(sock), timeout=max(timeout, 30.0))
+        api.get("/", timeout=timeout)
+        agent = SerialAgent(workdir)
+        try:
+            agent.connect()
+        except AgentError as exc:
+            raise VmmError(f"cannot control the VM (pid {pid}): {exc}; is another process (strata serve?) "
+                           "controlling it?") from None
+        memory_out = info.get("memory_out")
+        return FirecrackerVm(pid, workdir, api, agent, memory_out=Path(memory_out) if memory_out else None,
+                             snapshot_timeout=self.snapshot_timeout, kill_grace=self.kill_grace)
+
+    def destroy(self, workdir: Path) -> None:
+        """SIGKILL the VM recorded in `workdir` (no API or agent needed)."""
+        recorded = self._recorded(workdir)
+        if recorded is not None and _alive(recorded[0], recorded[1]):
+            pid, sock, _info = recorded
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10
+            while not _exited(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        _cleanup(workdir)
