@@ -17,6 +17,7 @@ MODE=${1:-install}
 APT_PACKAGES=(fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static e2fsprogs cpio xz-utils iproute2 util-linux
               python3 python3-venv python3-dev gcc)
 BENCH_PACKAGES=(restic borgbackup casync rclone)
+TEST_PACKAGES=(shellcheck systemd)   # lint deploy/install.sh, check the unit it renders
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -63,6 +64,7 @@ case "$MODE" in
         ;;
     test)
         install
+        apt_install "${TEST_PACKAGES[@]}"
         log "running the test suite"
         set +e
         .venv/bin/python -m pytest -q "${@:2}"

@@ -128,6 +128,8 @@ FIELDS: tuple[Field, ...] = (
     Field("cache_size", parse_bytes, "10G", "hard cap of the chunk cache"),
     Field("guest_dir", str, "", "guest kernel + initramfs (default STATE_DIR/guest)"),
     Field("vmm", _choice("qemu", "firecracker"), "qemu", "VMM backend"),
+    Field("accel", _choice("", "kvm", "tcg"), "", "force QEMU's accelerator (default: KVM only where it can run a guest)"),
+    Field("run_dir", str, "", "control sockets of mounts (default /run/strata as root)"),
     Field("host", str, "127.0.0.1", "address `strata serve` listens on"),
     Field("port", _port, "8080", "port `strata serve` listens on"),
     Field("sandbox_memory", _positive, "256", "guest memory of new sandboxes, MiB"),

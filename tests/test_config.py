@@ -1,0 +1,65 @@
+"""layerstore/config.py: the one configuration schema, and the README's copy of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from layerstore.config import NodeConfig, config_reference, parse_bytes, parse_duration
+from layerstore.errors import InvalidInput
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_documents_the_schema_as_it_is() -> None:
+    assert config_reference() in (ROOT / "README.md").read_text()
+
+
+def test_parsers() -> None:
+    assert parse_bytes("64K") == 65536 and parse_bytes("2GiB") == 2 << 30 and parse_bytes("10") == 10
+    assert parse_duration("90") == 90 and parse_duration("15m") == 900 and parse_duration("7d") == 604800
+    for bad in ("x", "-1", "1Q"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+
+
+def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('store = "/srv/store"\nport = 9000\nwarm_pool = "base=2,other=1"\n[s3]\npath_style = true\n')
+    c = NodeConfig.load({"STRATA_CONFIG": str(config), "STRATA_PORT": "9100", "STRATA_API_KEYS": "k" * 8,
+                         "STRATA_ADMIN_KEYS": "a" * 8, "STRATA_STATE_DIR": str(tmp_path)})
+    assert c.store == "/srv/store" and c.port == 9100 and c.warm_pool == {"base": 2, "other": 1}
+    assert c.api_keys == ("k" * 8, "a" * 8) and c.admin_keys == ("a" * 8,)
+    assert c.mount == tmp_path / "mnt" and c.s3_path_style == "true"
+    assert NodeConfig.load({"STRATA_CONFIG": str(config)}, port=9200).port == 9200
+    (tmp_path / "empty.toml").write_text("")
+    again = NodeConfig.load({**c.env(), "STRATA_CONFIG": str(tmp_path / "empty.toml")})
+    assert again.warm_pool == c.warm_pool and again.port == c.port  # env() round-trips
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"STRATA_PORT": "70000"}, "STRATA_PORT"), ({"STRATA_CACHE_SIZE": "big"}, "STRATA_CACHE_SIZE"),
+    ({"STRATA_SANDBOX_TIMEOUT": "soon"}, "STRATA_SANDBOX_TIMEOUT"), ({"STRATA_VMM": "xen"}, "STRATA_VMM"),
+    ({"STRATA_API_KEYS": "short"}, "STRATA_API_KEYS"), ({"STRATA_WARM_POOL": "base"}, "STRATA_WARM_POOL"),
+    ({"STRATA_SANDBOX_TIMEOUT": "2d"}, "longer than STRATA_MAX_TIMEOUT"), ({"STRATA_STORE": None}, "store is required"),
+])
+def test_bad_values_name_their_field(tmp_path: Path, env: dict, message: str) -> None:
+    full = {"STRATA_STORE": "/s", "STRATA_CONFIG": str(tmp_path / "absent.toml"), **env}
+    full = {k: v for k, v in full.items() if v is not None}
+    (tmp_path / "absent.toml").write_text("")
+    with pytest.raises(InvalidInput, match=message):
+        NodeConfig.load(full)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    for text, message in (('api_keys = "secret-secret"', "secret"), ('colour = "blue"', "unknown key 'colour'"),
+                          ("[s3]\nbucket = 'x'", "unknown key 's3.bucket'"), ("port = ", "c.toml")):
+        config.write_text(text)
+        with pytest.raises(InvalidInput, match=message):
+            NodeConfig.load({"STRATA_CONFIG": str(config), "STRATA_STORE": "/s"})
+    with pytest.raises(InvalidInput, match="does not exist"):
+        NodeConfig.load({"STRATA_CONFIG": str(tmp_path / "missing.toml"), "STRATA_STORE": "/s"})
