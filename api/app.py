@@ -171,6 +171,7 @@ def create_app(node: Node) -> FastAPI:
 
     # --- E2B sandbox lifecycle ---------------------------------------------------------
     def create(body: m.NewSandbox, response: Response) -> m.Sandbox:
+        node.take_vmm_seconds()  # drop what a failed request left on this thread
         record = node.create(body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
                              metadata=body.metadata)
         vmm_timing(response)
@@ -223,6 +224,7 @@ def create_app(node: Node) -> FastAPI:
 
     @app.delete("/sandboxes/{sandboxID}", status_code=204, dependencies=auth, tags=["sandboxes"])
     def kill_sandbox(sandboxID: str) -> Response:
+        node.take_vmm_seconds()  # drop what a failed request left on this thread
         node.kill(sandboxID)
         response = Response(status_code=204)
         vmm_timing(response)
@@ -231,6 +233,7 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/sandboxes/{sandboxID}/pause", status_code=204, dependencies=auth, tags=["sandboxes"],
               summary="Snapshot the sandbox to the store and free its VM (409 if already paused)")
     def pause_sandbox(sandboxID: str, body: m.SandboxPauseRequest | None = None) -> Response:
+        node.take_vmm_seconds()  # drop what a failed request left on this thread
         node.pause(sandboxID)
         response = Response(status_code=204)
         vmm_timing(response)
@@ -239,11 +242,13 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/sandboxes/{sandboxID}/resume", status_code=201, response_model=m.Sandbox, dependencies=auth,
               tags=["sandboxes"], summary="Resume a paused sandbox (409 if running)")
     def resume_sandbox(sandboxID: str, response: Response, body: m.ResumedSandbox | None = None) -> m.Sandbox:
+        node.take_vmm_seconds()  # drop what a failed request left on this thread
         record = node.resume(sandboxID, body.timeout if body else None)
         vmm_timing(response)
         return _sandbox(record)
 
     def connect(sandboxID: str, response: Response, body: m.ConnectSandbox | None = None) -> m.Sandbox:
+        node.take_vmm_seconds()  # drop what a failed request left on this thread
         record, resumed = node.connect(sandboxID, body.timeout if body else None)
         response.status_code = 201 if resumed else 200
         vmm_timing(response)
@@ -269,6 +274,7 @@ def create_app(node: Node) -> FastAPI:
               dependencies=auth, tags=["sandboxes"],
               summary="Snapshot once, start `count` independent copies (the source keeps running)")
     def fork(sandboxID: str, body: m.SandboxForkRequest, response: Response) -> list[m.SandboxForkResult]:
+        node.take_vmm_seconds()  # drop what a failed request left on this thread
         records = node.fork(sandboxID, body.count, body.timeout)
         vmm_timing(response)
         return [m.SandboxForkResult(sandbox=_sandbox(r)) for r in records]
@@ -276,6 +282,7 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/sandboxes/{sandboxID}/snapshots", status_code=201, response_model=m.SnapshotInfo,
               dependencies=auth, tags=["snapshots"])
     def snapshot(sandboxID: str, response: Response, body: m.SandboxSnapshotRequest | None = None) -> m.SnapshotInfo:
+        node.take_vmm_seconds()  # drop what a failed request left on this thread
         snapshot_id, names = node.snapshot(sandboxID, body.name if body else None)
         vmm_timing(response)
         return m.SnapshotInfo(snapshotID=snapshot_id, names=names)

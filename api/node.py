@@ -58,11 +58,18 @@ class Node:
         self._threads: list[threading.Thread] = []
         self._vmm_time = threading.local()
         self._pool_lock = threading.Lock()
+        self._capacity_lock = threading.Lock()
+        self._reserved = 0  # sandboxes being created, not yet (fully) recorded
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
         """Reconcile with what survived a restart, then start the reaper and pool threads."""
         for record in self.boxes.registry.all():
+            template = record.metadata.get(POOL_KEY)
+            if template is not None and template not in self.config.warm_pool:
+                log.info("warm pool %s is no longer configured: removing %s", template, record.sid)
+                self._quietly(self.boxes.kill, record.sid)
+                continue
             if record.state in ("running", "paused") and not self.boxes.backend.is_running(
                     self.boxes.registry.workdir(record.sid)):
                 log.warning("sandbox %s: its VM is gone (host restarted?); removing it", record.sid)
@@ -159,6 +166,8 @@ class Node:
             self._vmm_time.total = getattr(self._vmm_time, "total", 0.0) + elapsed
 
     def take_vmm_seconds(self) -> float:
+        """VMM time accumulated on this thread since the last call (and reset it).
+        The API calls it once before and once after each lifecycle request."""
         total = getattr(self._vmm_time, "total", 0.0)
         self._vmm_time.total = 0.0
         return total
@@ -198,10 +207,20 @@ class Node:
     def records(self) -> list[SandboxRecord]:
         return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
 
-    def _check_capacity(self, adding: int) -> None:
-        held = len(self.records())
-        if held + adding > self.config.max_sandboxes:
-            raise Capacity(f"this node holds {held} sandboxes; the limit is {self.config.max_sandboxes}")
+    @contextmanager
+    def _capacity(self, adding: int) -> Iterator[None]:
+        """Hold `adding` places while sandboxes are created, so concurrent
+        creates cannot overshoot the limit between the check and the record."""
+        with self._capacity_lock:
+            held = len(self.records()) + self._reserved
+            if held + adding > self.config.max_sandboxes:
+                raise Capacity(f"this node holds {held} sandboxes; the limit is {self.config.max_sandboxes}")
+            self._reserved += adding
+        try:
+            yield
+        finally:
+            with self._capacity_lock:
+                self._reserved -= adding
 
     def _start(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                auto_pause: bool) -> SandboxRecord:
@@ -221,15 +240,15 @@ class Node:
         if POOL_KEY in metadata:
             raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
         source = self.source(template_id)
-        self._check_capacity(1)
-        pooled = self._take_from_pool(template_id) if template_id in self.config.warm_pool else None
-        if pooled is not None:
-            with self.vmm("create"):
-                self.boxes.resume(pooled.sid)
-            self.metrics.pool_hits.inc()
-            return self.boxes.update(pooled.sid, metadata=metadata, template=template_id,
-                                     end_at=time.time() + ttl, auto_pause=auto_pause)  # type: ignore[operator]
-        return self._start(source, sid=new_sid(), metadata=metadata, timeout=ttl, auto_pause=auto_pause)
+        with self._capacity(1):
+            pooled = self._take_from_pool(template_id) if template_id in self.config.warm_pool else None
+            if pooled is not None:
+                with self.vmm("create"):
+                    self.boxes.resume(pooled.sid)
+                self.metrics.pool_hits.inc()
+                return self.boxes.update(pooled.sid, metadata=metadata, template=template_id,
+                                         end_at=time.time() + ttl, auto_pause=auto_pause)  # type: ignore[operator]
+            return self._start(source, sid=new_sid(), metadata=metadata, timeout=ttl, auto_pause=auto_pause)
 
     def kill(self, sid: str) -> None:
         self.record(sid)
@@ -282,8 +301,7 @@ class Node:
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it before forking")
         ttl = self._ttl(timeout)
-        self._check_capacity(count)
-        with self.vmm("fork"):
+        with self._capacity(count), self.vmm("fork"):
             forks = self.boxes.fork(sid, count, names=[new_sid() for _ in range(count)], template=record.template,
                                     end_at=time.time() + ttl, auto_pause=record.auto_pause)  # type: ignore[operator]
         return [f.record for f in forks]

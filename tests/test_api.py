@@ -255,7 +255,30 @@ def test_warm_pool(server: NodeServer) -> None:
     assert len(pool()) == 1 and pool() != first  # refilled in the background
     assert c.delete(f"/sandboxes/{first[0]}").status_code == 204
     server.stop()
+    server.start()  # without --warm-pool: the leftover pool sandbox is removed, not orphaned
+    assert admin.get("/admin/sandboxes").json() == []
+
+
+def test_capacity_limit_holds_under_concurrent_creates(server: NodeServer) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    server.stop()
+    server.env["STRATA_MAX_SANDBOXES"] = "2"
     server.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: server.client.post("/sandboxes", json={"templateID": "base"}), range(4)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes == [201, 201, 429, 429], [r.text for r in replies]
+        refused = [r for r in replies if r.status_code == 429]
+        assert all(r.headers["Should-Retry"] == "false" and "limit is 2" in r.json()["message"] for r in refused)
+        assert len(ids(server)) == 2
+        for sid in ids(server):
+            assert server.client.delete(f"/sandboxes/{sid}").status_code == 204
+    finally:
+        server.stop()
+        del server.env["STRATA_MAX_SANDBOXES"]
+        server.start()
 
 
 def test_schemathesis(server: NodeServer) -> None:
