@@ -17,6 +17,8 @@ needs an admin key. Errors are `{"code", "message"}` with:
 from __future__ import annotations
 
 import base64
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 import hmac
 import os
 import tempfile
@@ -81,9 +83,18 @@ def _metadata_filter(raw: str | None) -> dict[str, str]:
     return out
 
 
+@asynccontextmanager
+async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    # Lifecycle calls block in the VMM layer for seconds; with anyio's default
+    # 40 worker threads the 41st concurrent client would wait for a thread, not
+    # for its VM. A waiting client costs a thread, nothing more.
+    anyio.to_thread.current_default_thread_limiter().total_tokens = 512
+    yield
+
+
 def create_app(node: Node) -> FastAPI:
     config = node.config
-    app = FastAPI(title="Strata node API", version="1.0",
+    app = FastAPI(lifespan=_lifespan, title="Strata node API", version="1.0",
                   description="E2B-compatible sandbox lifecycle plus Strata's images, snapshots, templates and cache.",
                   responses=ERRORS, openapi_url=None, docs_url=None, redoc_url=None)
     key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="an API key (STRATA_API_KEYS)")

@@ -59,7 +59,7 @@ class Node:
         self._vmm_time = threading.local()
         self._pool_lock = threading.Lock()
         self._capacity_lock = threading.Lock()
-        self._reserved = 0  # sandboxes being created, not yet (fully) recorded
+        self._reserved: set[str] = set()  # ids of sandboxes being created
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
@@ -208,19 +208,19 @@ class Node:
         return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
 
     @contextmanager
-    def _capacity(self, adding: int) -> Iterator[None]:
-        """Hold `adding` places while sandboxes are created, so concurrent
+    def _capacity(self, sids: list[str]) -> Iterator[None]:
+        """Hold places for `sids` while they are created, so concurrent
         creates cannot overshoot the limit between the check and the record."""
         with self._capacity_lock:
-            held = len(self.records()) + self._reserved
-            if held + adding > self.config.max_sandboxes:
-                raise Capacity(f"this node holds {held} sandboxes; the limit is {self.config.max_sandboxes}")
-            self._reserved += adding
+            held = {r.sid for r in self.records()} | self._reserved
+            if len(held) + len(sids) > self.config.max_sandboxes:
+                raise Capacity(f"this node holds {len(held)} sandboxes; the limit is {self.config.max_sandboxes}")
+            self._reserved.update(sids)
         try:
             yield
         finally:
             with self._capacity_lock:
-                self._reserved -= adding
+                self._reserved.difference_update(sids)
 
     def _start(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                auto_pause: bool) -> SandboxRecord:
@@ -240,7 +240,8 @@ class Node:
         if POOL_KEY in metadata:
             raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
         source = self.source(template_id)
-        with self._capacity(1):
+        sid = new_sid()
+        with self._capacity([sid]):
             pooled = self._take_from_pool(template_id) if template_id in self.config.warm_pool else None
             if pooled is not None:
                 with self.vmm("create"):
@@ -248,7 +249,7 @@ class Node:
                 self.metrics.pool_hits.inc()
                 return self.boxes.update(pooled.sid, metadata=metadata, template=template_id,
                                          end_at=time.time() + ttl, auto_pause=auto_pause)  # type: ignore[operator]
-            return self._start(source, sid=new_sid(), metadata=metadata, timeout=ttl, auto_pause=auto_pause)
+            return self._start(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause)
 
     def kill(self, sid: str) -> None:
         self.record(sid)
@@ -301,8 +302,9 @@ class Node:
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it before forking")
         ttl = self._ttl(timeout)
-        with self._capacity(count), self.vmm("fork"):
-            forks = self.boxes.fork(sid, count, names=[new_sid() for _ in range(count)], template=record.template,
+        names = [new_sid() for _ in range(count)]
+        with self._capacity(names), self.vmm("fork"):
+            forks = self.boxes.fork(sid, count, names=names, template=record.template,
                                     end_at=time.time() + ttl, auto_pause=record.auto_pause)  # type: ignore[operator]
         return [f.record for f in forks]
 

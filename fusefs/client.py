@@ -34,10 +34,18 @@ def call(
 ) -> dict[str, Any]:
     """Send one control request to the daemon serving `mountpoint`; return its reply."""
     path = control_socket(mountpoint, env)
+    deadline = time.monotonic() + timeout
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
-            s.connect(str(path))
+            while True:
+                try:
+                    s.connect(str(path))
+                    break
+                except BlockingIOError:  # the listen backlog is full: the daemon is busy, not gone
+                    if time.monotonic() > deadline:
+                        raise socket.timeout from None
+                    time.sleep(0.01)
             s.sendall(json.dumps(request).encode() + b"\n")
             buf = b""
             while not buf.endswith(b"\n"):

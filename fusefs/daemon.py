@@ -224,6 +224,7 @@ class _ControlHandler(socketserver.StreamRequestHandler):
 
 class _ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    request_queue_size = 256  # a busy API node sends many requests at once (socketserver's default is 5)
 
 
 class Daemon:

@@ -18,6 +18,7 @@ service) can find and control it again:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import tempfile
 import threading
@@ -36,6 +37,8 @@ from layerstore.store import Store
 
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
 from .registry import Registry, SandboxRecord, new_sid
+
+log = logging.getLogger("strata.vmm")
 
 MAX_FORKS = 100
 
@@ -158,7 +161,11 @@ class Sandboxes:
             started = time.monotonic()
             vm = self.backend.start(spec)
         except BaseException:
-            self._remove_uppers(record.sid)
+            try:
+                self._remove_uppers(record.sid)
+            except StrataError as exc:  # keep the original error; the record stays for a later kill
+                log.error("sandbox %s: cleaning up after a failed start: %s", record.sid, exc)
+                raise
             if not keep_record:
                 self.registry.remove(record.sid)
             raise
