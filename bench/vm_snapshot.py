@@ -40,7 +40,7 @@ STEPS = ("capture", "seal", "publish")
 
 
 def stored_bytes(store) -> int:  # noqa: ANN001
-    return sum(size for _key, size in store.backend.list("chunks/"))
+    return sum(o.size for o in store.backend.list("chunks/"))
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
+from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from .errors import BackendUnavailable, InvalidInput
 
@@ -34,6 +34,15 @@ def check_key(key: str) -> str:
     return key
 
 
+class ObjectInfo(NamedTuple):
+    """One listed object. `modified` (unix seconds) is when it was last put:
+    GC never deletes what is younger than its grace period."""
+
+    key: str
+    size: int
+    modified: float
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A flat, durable key -> bytes store.
@@ -46,8 +55,8 @@ class Backend(Protocol):
     - `stat` returns the object's size in bytes, or None if absent.
     - `has_many` returns the subset of `keys` that exist, in as few round
       trips as the store allows (it is how imports skip existing chunks).
-    - `list` yields (key, size) for every key under `prefix` (a string prefix
-      of the key), in any order, each once.
+    - `list` yields an ObjectInfo (key, size, modified) for every key under
+      `prefix` (a string prefix of the key), in any order, each once.
     - `delete` removes a key; deleting an absent key is not an error.
     - Failures: NotFound for a missing key, BackendUnavailable when the store
       can't be reached or fails transiently (the only error worth retrying),
@@ -63,7 +72,7 @@ class Backend(Protocol):
 
     def has_many(self, keys: Iterable[str]) -> set[str]: ...
 
-    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]: ...
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
 
     def delete(self, key: str) -> None: ...
 
@@ -135,7 +144,7 @@ class RetryingBackend:
         keys = list(keys)
         return self._call(lambda: self.inner.has_many(keys))
 
-    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Listing is materialised so a retry restarts cleanly instead of
         # yielding duplicates from a half-consumed first attempt.
         return iter(self._call(lambda: list(self.inner.list(prefix))))

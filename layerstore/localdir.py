@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .backend import check_key
+from .backend import ObjectInfo, check_key
 from .errors import AccessDenied, BackendError, InvalidInput, NotFound
 
 MARKER = "strata-store 1\n"
@@ -130,7 +130,7 @@ class LocalDirBackend:
     def has_many(self, keys: Iterable[str]) -> set[str]:
         return {k for k in keys if self.stat(k) is not None}
 
-    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix:
             check_key(prefix.rstrip("/") or "x")
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
@@ -141,7 +141,8 @@ class LocalDirBackend:
                 key = name if rel == "." else f"{rel}/{name}"
                 if key.startswith(prefix):
                     try:
-                        yield key, os.stat(os.path.join(dirpath, name)).st_size
+                        st = os.stat(os.path.join(dirpath, name))
+                        yield ObjectInfo(key, st.st_size, st.st_mtime)
                     except FileNotFoundError:
                         continue
 

@@ -21,7 +21,7 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from .backend import check_key, parallel_has
+from .backend import ObjectInfo, check_key, parallel_has
 from .errors import AccessDenied, BackendError, BackendUnavailable, InvalidInput, NotFound
 
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "403"}
@@ -155,14 +155,15 @@ class S3Backend:
     def has_many(self, keys: Iterable[str]) -> set[str]:
         return parallel_has(self.stat, keys, workers=self._workers)
 
-    def list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix:
             check_key(prefix.rstrip("/") or "x")
         paginator = self._client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.config.bucket, Prefix=self._prefix + prefix):
                 for item in page.get("Contents", []):
-                    yield item["Key"][len(self._prefix) :], int(item["Size"])
+                    yield ObjectInfo(item["Key"][len(self._prefix) :], int(item["Size"]),
+                                     item["LastModified"].timestamp())
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise self._error(exc, f"listing {prefix or '/'}") from None
 

@@ -171,7 +171,7 @@ class Store:
 
     def list_snapshots(self) -> list[str]:
         """Ids of every snapshot in the store."""
-        return sorted(key.split("/", 1)[1] for key, _ in self.backend.list("snapshots/") if is_snapshot_key(key))
+        return sorted(o.key.split("/", 1)[1] for o in self.backend.list("snapshots/") if is_snapshot_key(o.key))
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot manifest; its layers and chunks stay until GC."""
@@ -195,7 +195,7 @@ class Store:
 
     def list_templates(self) -> list[Template]:
         out = []
-        for key, _size in self.backend.list("templates/"):
+        for key, _size, _ in self.backend.list("templates/"):
             name = key.split("/", 1)[1]
             try:
                 out.append(self.get_template(name))
@@ -239,7 +239,7 @@ class Store:
     def list_refs(self) -> list[tuple[Ref, str, int]]:
         """Every well-formed ref as (ref, manifest id, updated), sorted by name."""
         out: list[tuple[Ref, str, int]] = []
-        for key, _size in self.backend.list("refs/"):
+        for key, _size, _ in self.backend.list("refs/"):
             ref = ref_from_key(key)
             if ref is None:
                 continue

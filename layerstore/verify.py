@@ -67,7 +67,7 @@ def verify_store(
     report = VerifyReport()
     backend = store.backend
     layers: dict[str, Layer] = {}
-    for key, _size in backend.list("manifests/"):
+    for key, _size, _ in backend.list("manifests/"):
         manifest_id = key.rsplit("/", 1)[-1]
         report.manifests += 1
         if not is_digest(manifest_id):
@@ -80,7 +80,7 @@ def verify_store(
     for manifest_id, layer in layers.items():
         if layer.parent is not None and layer.parent not in layers:
             report.bad_manifests.append(f"manifest {manifest_id}: parent {layer.parent} is missing")
-    for key, _size in backend.list("snapshots/"):
+    for key, _size, _ in backend.list("snapshots/"):
         snapshot_id = key.rsplit("/", 1)[-1]
         report.manifests += 1
         try:
@@ -93,7 +93,7 @@ def verify_store(
             continue
         for layer_id in sorted(snap.layer_ids() - set(layers)):
             report.bad_manifests.append(f"snapshot {snapshot_id}: layer {layer_id} is missing or corrupt")
-    for key, _size in backend.list("refs/"):
+    for key, _size, _ in backend.list("refs/"):
         report.refs += 1
         ref = ref_from_key(key)
         if ref is None:
@@ -113,7 +113,7 @@ def verify_store(
             if digest is not None:
                 named.setdefault(digest, manifest_id)
     present: dict[str, int] = {}
-    for key, size in backend.list("chunks/"):
+    for key, size, _ in backend.list("chunks/"):
         digest = key.rsplit("/", 1)[-1]
         if is_digest(digest) and key == f"chunks/{digest[:2]}/{digest}":
             present[digest] = size

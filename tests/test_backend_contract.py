@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,18 +52,30 @@ def test_list_prefix_and_sizes(backend: Backend) -> None:
     backend.put("chunks/ab/two", b"22")
     backend.put("manifests/m1", b"333")
     backend.put("refs/img/v1", b"4444")
-    assert dict(backend.list("chunks/")) == {"chunks/aa/one": 1, "chunks/ab/two": 2}
-    assert dict(backend.list("chunks/aa")) == {"chunks/aa/one": 1}
-    assert dict(backend.list("refs/")) == {"refs/img/v1": 4}
-    everything = dict(backend.list(""))
+    assert {o.key: o.size for o in backend.list("chunks/")} == {"chunks/aa/one": 1, "chunks/ab/two": 2}
+    assert {o.key: o.size for o in backend.list("chunks/aa")} == {"chunks/aa/one": 1}
+    assert {o.key: o.size for o in backend.list("refs/")} == {"refs/img/v1": 4}
+    everything = {o.key: o.size for o in backend.list("")}
     assert set(everything) == {"chunks/aa/one", "chunks/ab/two", "manifests/m1", "refs/img/v1"}
+
+
+def test_list_reports_when_each_object_was_put(backend: Backend) -> None:
+    """GC's grace period rests on `modified`: it must be the put time, and a re-put moves it."""
+    before = time.time()
+    backend.put("refs/a/old", b"1")
+    info = {o.key: o for o in backend.list("refs/a/")}["refs/a/old"]
+    assert before - 5 <= info.modified <= time.time() + 5
+    time.sleep(1.1)
+    backend.put("refs/a/old", b"2")
+    again = {o.key: o for o in backend.list("refs/a/")}["refs/a/old"]
+    assert again.modified > info.modified
 
 
 def test_list_many_keys_each_once(backend: Backend) -> None:
     keys = [f"manifests/k{i:05d}" for i in range(1100)]  # more than one S3 page
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda k: backend.put(k, b"x"), keys))
-    listed = [k for k, _ in backend.list("manifests/")]
+    listed = [o.key for o in backend.list("manifests/")]
     assert sorted(listed) == keys
 
 

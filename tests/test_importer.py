@@ -154,6 +154,6 @@ def test_ref_to_missing_manifest_is_refused(store: Store) -> None:
 def test_keys_follow_documented_layout(store: Store, tmp_path: Path) -> None:
     write_image(tmp_path / "a.img", "r")
     res = import_image(store, tmp_path / "a.img", "img:v1")
-    keys = {k for k, _ in store.backend.list("")}
+    keys = {o.key for o in store.backend.list("")}
     digest = store.get_layer(res.manifest_id).chunks[0]
     assert keys == {chunk_key(digest), manifest_key(res.manifest_id), "refs/img/v1"}
