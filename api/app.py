@@ -17,8 +17,9 @@ needs an admin key. Errors are `{"code", "message"}` with:
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 import hmac
 import os
 import tempfile
@@ -473,6 +474,50 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/admin/cache/unpin", dependencies=admin, tags=["admin"])
     def cache_unpin(body: m.PinRequest) -> dict:
         return node.boxes.control({"op": "unpin", "image": str(parse_ref(body.image))})
+
+    remote_lock = threading.Lock()  # one open of the remote's catalog at a time
+
+    @contextmanager
+    def _remote():  # noqa: ANN202
+        if not config.remote:
+            raise Conflict("this node has no remote store (config `remote`, STRATA_REMOTE)")
+        from layerstore.store import open_store
+
+        with remote_lock, open_store(config.remote, env={**os.environ, **config.env()}) as remote:
+            yield remote
+
+    @app.post("/admin/gc", response_model=m.GcReport, dependencies=admin, tags=["admin"],
+              summary="Garbage-collect this node's store or its remote (grace period, two phases, leases)")
+    def run_gc(body: m.GcRequest) -> dict:
+        from layerstore.config import parse_duration
+        from layerstore.gc import collect
+
+        try:
+            grace = parse_duration(body.grace)
+        except ValueError as exc:
+            raise InvalidInput(f"grace: {exc}") from None
+        if body.target == "remote":
+            with _remote() as remote:
+                return collect(remote, grace=grace, dry_run=body.dryRun).as_dict()
+        return collect(node.store, grace=grace, dry_run=body.dryRun, extra_roots=node.gc_roots()).as_dict()
+
+    @app.post("/admin/push", response_model=m.TransferReport, dependencies=admin, tags=["admin"],
+              summary="Copy an image, snapshot or template (and all it needs) to the node's remote store")
+    def push(body: m.TransferRequest) -> dict:
+        from layerstore.transfer import copy
+
+        with _remote() as remote:
+            return copy(node.store, remote, body.name).as_dict()
+
+    @app.post("/admin/pull", response_model=m.TransferReport, dependencies=admin, tags=["admin"],
+              summary="Fetch an image, snapshot or template from the node's remote store")
+    def pull(body: m.TransferRequest) -> dict:
+        from layerstore.transfer import copy
+
+        if not body.full and node.store.remote is None:
+            raise Conflict("a lazy pull needs the node to read chunks from its remote (config `remote`)")
+        with _remote() as remote:
+            return copy(remote, node.store, body.name, chunks=body.full).as_dict()
 
     @app.get("/admin/sandboxes", dependencies=admin, tags=["admin"],
              summary="Every sandbox record on the node, warm pool included")

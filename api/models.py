@@ -215,3 +215,38 @@ class Health(BaseModel):
     store: str
     mount: bool
     sandboxes: int
+
+
+class GcRequest(BaseModel):
+    grace: str = Field("24h", description="never delete anything younger (90s, 15m, 24h, 7d)")
+    dryRun: bool = Field(False, description="report what would be deleted; change nothing")
+    target: Literal["local", "remote"] = Field("local", description="this node's store, or its remote")
+
+
+class GcReport(BaseModel):
+    scanned: int
+    marked: int
+    candidates: int
+    deletable: int
+    deleted: int
+    freed_bytes: int
+    retained: int
+    postponed: str
+    missing: list[str]
+    dry_run: bool
+    seconds: float
+
+
+class TransferRequest(BaseModel):
+    name: str = Field(description="NAME:TAG, a snapshot id or a template name")
+    full: bool = Field(True, description="pull: copy every chunk (false: manifests only, chunks read from the remote)")
+
+
+class TransferReport(BaseModel):
+    name: str
+    chunks_total: int
+    chunks_sent: int
+    bytes_sent: int
+    manifests_sent: int
+    snapshots_sent: int
+    seconds: float

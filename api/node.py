@@ -331,6 +331,14 @@ class Node:
         with self.vmm("exec"):
             return self.boxes.get(sid).vm.agent.run(command, timeout=timeout)
 
+    def gc_roots(self) -> list:
+        """What GC of this node's store must keep beyond refs, templates and
+        snapshots: the layers running sandbox disks sit on."""
+        from layerstore.reach import Name
+
+        rows = self.boxes.control({"op": "sandbox_list"})["sandboxes"]
+        return [Name("layer", m) for r in rows for m in [r["base"], *r["layers"]]]
+
     def snapshots_in_use(self) -> dict[str, list[str]]:
         """Snapshot id -> what still needs it (templates, paused sandboxes)."""
         users: dict[str, list[str]] = {}

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 
 from .chunk import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL
 from .config import load_config, parse_bytes
-from .errors import StrataError
+from .errors import InvalidInput, StrataError
 from .store import Store, inspect_image, open_store
 
 EXIT_FAILED = 1
@@ -213,6 +213,73 @@ def cmd_image_rm(args: argparse.Namespace, env: dict[str, str], out: Output) -> 
     return 0
 
 
+def _copy(src: Store, dst: Store, name: str, out: Output, *, chunks: bool, verb: str) -> int:
+    from .transfer import copy
+
+    with out.progress(f"{verb} {name}") as (advance, set_total):
+        res = copy(src, dst, name, chunks=chunks, progress=advance, on_total=set_total)
+    out.result(res.as_dict(), f"{verb} {res.name}: {res.chunks_sent} of {res.chunks_total} chunks sent "
+                              f"({human_bytes(res.bytes_sent)}), {res.manifests_sent} manifests, "
+                              f"{res.snapshots_sent} snapshots, {res.seconds:.2f} s")
+    return 0
+
+
+def cmd_push(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    with _store(args, env) as src, open_store(args.to, env=env) as dst:
+        return _copy(src, dst, args.name, out, chunks=True, verb="pushed")
+
+
+def cmd_pull(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    local = getattr(args, "store", None) or env.get("STRATA_STORE", "")
+    if not args.full and env.get("STRATA_REMOTE") != args.source:
+        raise InvalidInput(f"a lazy pull leaves chunks in {args.source}: this node must read them from there "
+                           f"(set STRATA_REMOTE={args.source}, config `remote`), or pull --full")
+    with open_store(args.source, env=env) as src, open_store(local, env=env) as dst:
+        return _copy(src, dst, args.name, out, chunks=args.full, verb="pulled")
+
+
+def _mount_roots(store: Store, env: dict[str, str]) -> list:
+    """Layers running sandboxes sit on (sealed but not yet in any snapshot),
+    asked of the node's mount if it serves this store: GC must keep them."""
+    from fusefs.client import DaemonError, call
+
+    from .reach import Name
+    from .store import state_dir
+
+    mount = env.get("STRATA_MOUNT") or str(state_dir(env) / "mnt")
+    try:
+        if call(mount, {"op": "ping"}, timeout=5, env=env)["store"] != store.describe():
+            return []
+        rows = call(mount, {"op": "sandbox_list"}, timeout=30, env=env)["sandboxes"]
+    except DaemonError:
+        return []
+    return [Name("layer", m) for r in rows for m in [r["base"], *r["layers"]]]
+
+
+def cmd_gc(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+    from .config import parse_duration
+    from .gc import collect
+
+    try:
+        grace = parse_duration(args.grace)
+    except ValueError as exc:
+        raise InvalidInput(f"--grace: {exc}") from None
+    with _store(args, env) as store:
+        extra = _mount_roots(store, env)
+        with out.progress("deleting") as (advance, _total):
+            report = collect(store, grace=grace, dry_run=args.dry_run, extra_roots=extra, progress=advance)
+    r = report
+    text = (f"scanned {r.scanned}, marked {r.marked}, candidates {r.candidates}, "
+            + (f"would delete {r.deletable}" if r.dry_run else f"deleted {r.deleted} ({human_bytes(r.freed_bytes)} freed)")
+            + f", retained (younger than grace) {r.retained}, {r.seconds:.2f} s")
+    if r.postponed:
+        text += f"\ndeletion postponed: {r.postponed}"
+    if r.missing:
+        text += f"\nroots name {len(r.missing)} missing object(s), e.g. {r.missing[0]} (run `strata verify`)"
+    out.result(r.as_dict(), text)
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     from .verify import verify_store
 
@@ -272,6 +339,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("rm", parents=[common], help="remove an image ref (data stays until gc)")
     p.add_argument("ref", metavar="NAME:TAG")
     p.set_defaults(func=cmd_image_rm)
+
+    p = nouns.add_parser("push", parents=[common], help="copy an image, snapshot or template to another store")
+    p.add_argument("name", metavar="REF", help="NAME:TAG, a snapshot id, or a template name")
+    p.add_argument("--to", required=True, metavar="STORE", help="destination: a directory or s3://BUCKET/PREFIX")
+    p.set_defaults(func=cmd_push)
+    p = nouns.add_parser("pull", parents=[common], help="fetch an image, snapshot or template from another store")
+    p.add_argument("name", metavar="REF", help="NAME:TAG, a snapshot id, or a template name")
+    p.add_argument("--from", dest="source", required=True, metavar="STORE")
+    p.add_argument("--full", action="store_true", help="copy every chunk too (default: manifests only; chunks "
+                                                        "load lazily from --from, set as STRATA_REMOTE)")
+    p.set_defaults(func=cmd_pull)
+    p = nouns.add_parser("gc", parents=[common], help="delete chunks and manifests no ref, template or snapshot reaches")
+    p.add_argument("--grace", default="24h", help="never delete anything younger (default 24h)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; change nothing")
+    p.set_defaults(func=cmd_gc)
 
     p = nouns.add_parser("verify", parents=[common], help="re-hash every chunk; report corrupt or missing ones")
     p.add_argument("--workers", type=int, default=None)

@@ -122,6 +122,7 @@ class Field:
 
 FIELDS: tuple[Field, ...] = (
     Field("store", str, None, "the store: a directory (embedded) or s3://BUCKET/PREFIX"),
+    Field("remote", str, "", "shared store (s3://...) a node reads chunks from that its store lacks (after a lazy pull)"),
     Field("state_dir", str, DEFAULT_STATE_DIR, "per-node state: catalogs, cache, upper layers, sandboxes"),
     Field("mount", str, "", "the node's FUSE mount point (default STATE_DIR/mnt)"),
     Field("cache_dir", str, "", "chunk cache directory (default STATE_DIR/cache)"),

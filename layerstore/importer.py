@@ -29,6 +29,7 @@ import blake3
 import zstandard
 
 from .chunk import DEFAULT_CHUNK_SIZE
+from .lease import Lease
 from .errors import InvalidInput
 from .manifest import Layer, check_chunk_size
 from .refs import Ref, parse_ref
@@ -139,6 +140,14 @@ def import_image(
     upload_concurrency = upload_concurrency or max(4, workers * 2)
     window = window or max(32, workers * 8)
     result = ImportResult(manifest_id="", ref=str(target) if target else None, size=size, chunk_size=chunk_size, parent=parent)
+    # The lease keeps a concurrent GC from deleting a chunk this import finds
+    # already stored (and so does not upload) before the manifest names it.
+    lease = Lease(store.backend, f"import {path.name}")
+    try:
+        lease.__enter__()
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         if slots is not None:
             if parent is None:
@@ -250,6 +259,7 @@ def import_image(
             store.set_ref(target, result.manifest_id)
     finally:
         os.close(fd)
+        lease.__exit__(None, None, None)
     result.seconds = time.monotonic() - started
     return result
 

@@ -43,18 +43,28 @@ from .templates import Template, parse_template, template_key
 
 
 class Store:
-    """Chunks, manifests and refs kept in a `Backend`, with a local `Catalog`."""
+    """Chunks, manifests and refs kept in a `Backend`, with a local `Catalog`.
 
-    def __init__(self, backend: Backend, catalog: Catalog, *, level: int = DEFAULT_LEVEL) -> None:
+    `remote` (optional) is where chunks this store lacks are read from: a
+    node's local store after a manifests-only `strata pull`. Reads of such
+    chunks are verified like any other; nothing is written back (caching
+    is the mount's chunk cache's job).
+    """
+
+    def __init__(self, backend: Backend, catalog: Catalog, *, level: int = DEFAULT_LEVEL,
+                 remote: Backend | None = None) -> None:
         self.backend = backend
         self.catalog = catalog
         self.level = level
+        self.remote = remote
 
     def describe(self) -> str:
         return self.backend.describe()
 
     def close(self) -> None:
         self.backend.close()
+        if self.remote is not None:
+            self.remote.close()
         self.catalog.close()
 
     def __enter__(self) -> "Store":
@@ -70,7 +80,13 @@ class Store:
         try:
             blob = self.backend.get(key)
         except NotFound:
-            raise MissingChunk(f"chunk {digest} is missing from {self.describe()}") from None
+            if self.remote is None:
+                raise MissingChunk(f"chunk {digest} is missing from {self.describe()}") from None
+            try:
+                blob = self.remote.get(key)
+            except NotFound:
+                raise MissingChunk(f"chunk {digest} is missing from {self.describe()} and its remote "
+                                   f"{self.remote.describe()}") from None
         return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
 
     def write_chunk(self, digest: str, data: bytes | memoryview, *, level: int | None = None) -> int:
@@ -87,6 +103,8 @@ class Store:
         """The digests among `digests` whose objects the backend lacks (one batch)."""
         wanted = {chunk_key(d): d for d in digests}
         present = self.backend.has_many(wanted)
+        if self.remote is not None and len(present) < len(wanted):
+            present |= self.remote.has_many([k for k in wanted if k not in present])
         return {d for k, d in wanted.items() if k not in present}
 
     # manifests ----------------------------------------------------------------
@@ -378,4 +396,20 @@ def open_store(
     except StrataError:
         inner.close()
         raise
-    return Store(RetryingBackend(inner, attempts=retry_attempts), catalog, level=level)
+    remote = None
+    if env.get("STRATA_REMOTE") and env["STRATA_REMOTE"] != spec:
+        remote = open_backend(env["STRATA_REMOTE"], env=env, retry_attempts=retry_attempts)
+    return Store(RetryingBackend(inner, attempts=retry_attempts), catalog, level=level, remote=remote)
+
+
+def open_backend(spec: str, *, env: Mapping[str, str], retry_attempts: int = 4, create: bool = False) -> Backend:
+    """A bare backend for `spec` (a remote store read through, or a GC target)."""
+    if spec.startswith("s3://"):
+        from .s3 import S3Backend, S3Config
+
+        inner: Backend = S3Backend(S3Config.from_url(spec, env))
+    elif "://" in spec:
+        raise InvalidInput(f"unsupported store URL {spec!r}: use a directory path or s3://BUCKET/PREFIX")
+    else:
+        inner = LocalDirBackend(spec, create=create)
+    return RetryingBackend(inner, attempts=retry_attempts)

@@ -259,6 +259,31 @@ def test_warm_pool(server: NodeServer) -> None:
     assert admin.get("/admin/sandboxes").json() == []
 
 
+def test_gc_keeps_what_running_and_paused_sandboxes_need(server: NodeServer) -> None:
+    c, admin = server.client, server.admin
+    assert c.post("/admin/gc", json={"grace": "0s"}).status_code == 403  # admins only
+    running = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+    paused = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+    run(server, running, "echo one > /root/f; sync")
+    snap = c.post(f"/sandboxes/{running}/snapshots", json={}).json()["snapshotID"]  # seals its disk and RAM
+    run(server, paused, "echo sleeping > /root/f; sync")
+    assert c.post(f"/sandboxes/{paused}/pause").status_code == 204
+    assert c.delete(f"/snapshots/{snap}").status_code == 204  # nothing names the sealed layers any more...
+    for _ in range(2):  # ...except the running sandbox's disk: two phases, no grace
+        r = admin.post("/admin/gc", json={"grace": "0s"})
+        assert r.status_code == 200, r.text
+    assert r.json()["deleted"] > 0  # the deleted snapshot's own state layer, at least
+    assert admin.post("/admin/gc", json={"grace": "0s", "dryRun": True}).json()["deletable"] == 0
+    assert run(server, running, "cat /root/f") == "one"
+    assert c.post(f"/sandboxes/{running}/snapshots", json={}).status_code == 201  # its layers are all there
+    assert c.post(f"/sandboxes/{paused}/connect", json={"timeout": 60}).status_code == 201
+    assert run(server, paused, "cat /root/f") == "sleeping"
+    assert admin.post("/admin/push", json={"name": "guest:v1"}).status_code == 409  # no remote configured
+    assert admin.post("/admin/gc", json={"grace": "soon"}).status_code == 400
+    for sid in (running, paused):
+        assert c.delete(f"/sandboxes/{sid}").status_code == 204
+
+
 def test_capacity_limit_holds_under_concurrent_creates(server: NodeServer) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -105,7 +105,9 @@ class Sandboxes:
         """Kernel and initrd as layers (imported once; identical bytes dedup)."""
         with self._guard:
             if name not in self._boot_layers:
-                self._boot_layers[name] = import_image(self.store, self.guest_dir / name).manifest_id
+                # a ref keeps the layer from GC between snapshots that name it
+                ref = "strata-boot:" + name.replace(".", "-")
+                self._boot_layers[name] = import_image(self.store, self.guest_dir / name, ref).manifest_id
             return self._boot_layers[name]
 
     def _claim(self, sid: str | None) -> str:
@@ -248,7 +250,7 @@ class Sandboxes:
             layers={"disk": disk, "memory": memory, "state": state_id},
             vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
                 "kernel": self._boot_layer("vmlinuz"), "initrd": self._boot_layer("initramfs.cpio.gz")},
-            parent=record.last_snapshot,
+            parent=self._existing_snapshot(record.last_snapshot),
             annotations={"sandbox": sid},
         )
         snapshot_id = self.store.put_snapshot(snap)
@@ -259,6 +261,18 @@ class Sandboxes:
         record.state = "running" if resume else "paused"
         record.timings.update({"capture": t1 - t0, "seal": t2 - t1, "publish": t3 - t2})
         self.registry.save(record)
+        return snapshot_id
+
+    def _existing_snapshot(self, snapshot_id: str | None) -> str | None:
+        """The parent pointer of a new snapshot: the previous one, unless it was
+        deleted since (its layers, which the new one builds on, are kept by GC
+        as long as this sandbox's disk and RAM sit on them)."""
+        if snapshot_id is None:
+            return None
+        try:
+            self.store.get_snapshot(snapshot_id)
+        except NotFound:
+            return None
         return snapshot_id
 
     def restore(self, snapshot_id: str, *, sid: str | None = None,
@@ -414,7 +428,7 @@ class Sandboxes:
             if name not in self._boot_layers:
                 with tempfile.NamedTemporaryFile(dir=self.registry.root, prefix=".zero-") as f:
                     f.truncate(memory_mib << 20)
-                    self._boot_layers[name] = import_image(self.store, f.name).manifest_id
+                    self._boot_layers[name] = import_image(self.store, f.name, f"strata-boot:{name}").manifest_id
             return self._boot_layers[name]
 
     def _flush_mount(self) -> None:

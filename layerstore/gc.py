@@ -1,0 +1,176 @@
+"""Garbage collection: delete chunks and layer manifests nothing can reach.
+
+Roots are every ref, every template and every snapshot manifest (snapshots
+are deleted explicitly: `DELETE /snapshots/{id}`, or a paused sandbox's
+retention running out); their closures (layerstore/reach.py) are marked.
+An unmarked object is deleted only when all of these hold:
+
+    - it is older than the grace period (by the store's put time), so an
+      import or push that just wrote it is safe;
+    - an earlier GC run recorded it as a candidate at least `grace` ago and
+      it is still unmarked now (two phases: `gc/candidates`);
+    - no live lease exists (a push in flight) when deletion starts, and this
+      GC holds the GC lock (layerstore/lease.py);
+    - the roots, marked once more right before deleting, still do not reach
+      it.
+
+Deletion removes manifests before chunks, so a GC that dies midway leaves
+unreferenced chunks, never a manifest naming a missing one: the store stays
+valid and the next run finishes the job. `plan` is pure (reads only);
+`apply` refuses to delete while leases are live.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from .chunk import chunk_key
+from .errors import NotFound, StrataError
+from .lease import LEASE_PREFIX, GcLock, live_leases, read_record
+from .reach import Closure, Name
+from .store import Store
+
+CANDIDATES = "gc/candidates"
+SWEPT_PREFIXES = ("manifests/", "chunks/")
+DEFAULT_GRACE = 24 * 3600.0
+
+
+@dataclass
+class Plan:
+    now: float
+    grace: float
+    scanned: int = 0
+    marked: int = 0
+    sizes: dict[str, int] = field(default_factory=dict)  # every swept object's size
+    young: list[str] = field(default_factory=list)  # unmarked, but within the grace period
+    candidates: dict[str, float] = field(default_factory=dict)  # unmarked and old: key -> first seen
+    deletable: list[str] = field(default_factory=list)  # candidates of an earlier run, past the margin
+    missing: list[str] = field(default_factory=list)  # objects a root names that are gone (verify reports them)
+
+
+@dataclass
+class Report:
+    scanned: int
+    marked: int
+    candidates: int
+    deletable: int
+    deleted: int
+    freed_bytes: int
+    retained: int
+    postponed: str
+    missing: list[str]
+    dry_run: bool
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def roots(store: Store) -> list[Name]:
+    names = [Name("image", str(ref)) for ref, _manifest, _updated in store.list_refs()]
+    names += [Name("template", t.name) for t in store.list_templates()]
+    names += [Name("snapshot", s) for s in store.list_snapshots()]
+    return names
+
+
+def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str]]:
+    """Keys of every object a root reaches, and what roots name but is missing."""
+    closure = Closure()
+    for name in [*roots(store), *extra]:
+        try:
+            closure.add(store, name, strict=False)
+        except NotFound:  # a template naming a deleted image: nothing to keep for it
+            closure.missing.append(f"{name.kind} {name.value}")
+    keys = {f"manifests/{m}" for m in closure.layers}
+    keys |= {chunk_key(d) for d in closure.chunks}
+    return keys, closure.missing
+
+
+def _read_candidates(store: Store) -> dict[str, float]:
+    try:
+        data = json.loads(store.backend.get(CANDIDATES))
+        return {str(k): float(v) for k, v in data.items()}
+    except NotFound:
+        return {}
+    except (ValueError, TypeError, AttributeError):
+        return {}  # a torn record only delays deletion by one run
+
+
+def plan(store: Store, *, grace: float = DEFAULT_GRACE, now: float | None = None,
+         extra_roots: Iterable[Name] = ()) -> Plan:
+    """What a GC would do now (reads only)."""
+    now = time.time() if now is None else now
+    result = Plan(now=now, grace=grace)
+    listed = [info for prefix in SWEPT_PREFIXES for info in store.backend.list(prefix)]
+    marked, result.missing = mark(store, extra_roots)
+    previous = _read_candidates(store)
+    result.scanned = len(listed)
+    for info in listed:
+        result.sizes[info.key] = info.size
+        if info.key in marked:
+            result.marked += 1
+        elif info.modified > now - grace:
+            result.young.append(info.key)
+        else:
+            first_seen = previous.get(info.key, now)
+            result.candidates[info.key] = first_seen
+            if info.key in previous and first_seen <= now - grace:
+                result.deletable.append(info.key)
+    return result
+
+
+def collect(
+    store: Store,
+    *,
+    grace: float = DEFAULT_GRACE,
+    dry_run: bool = False,
+    extra_roots: Iterable[Name] = (),
+    now: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Report:
+    """Run one GC: plan, then (unless `dry_run`) record candidates and delete what may go."""
+    started = time.monotonic()
+    extra = list(extra_roots)
+    p = plan(store, grace=grace, now=now, extra_roots=extra)
+    deleted = freed = 0
+    postponed = ""
+    if not dry_run:
+        lock = GcLock(store.backend)
+        other = lock.acquire()
+        if other is not None:
+            raise StrataError(f"another GC ({other['holder']}) is running on {store.describe()}")
+        try:
+            leases = live_leases(store.backend)
+            if leases:
+                postponed = f"{len(leases)} live lease(s), e.g. {next(iter(leases.values())).get('what', '?')}"
+                doomed: list[str] = []
+            else:
+                again, _missing = mark(store, extra)  # re-check right before deleting
+                doomed = [k for k in p.deletable if k not in again]
+            # manifests first: a crash midway leaves orphan chunks, never a manifest without its chunks
+            doomed.sort(key=lambda k: (not k.startswith("manifests/"), k))
+            for i, key in enumerate(doomed):
+                store.backend.delete(key)
+                if key.startswith("manifests/"):
+                    store.catalog.forget_manifest(key.split("/", 1)[1])
+                deleted += 1
+                freed += p.sizes.get(key, 0)
+                if progress is not None:
+                    progress(1)
+                if i % 1000 == 999:
+                    lock.renew()
+            gone = set(doomed)
+            remaining = {k: v for k, v in p.candidates.items() if k not in gone}
+            store.backend.put(CANDIDATES, json.dumps(remaining, sort_keys=True).encode())
+            for info in store.backend.list(LEASE_PREFIX):  # expired leases: their holders died
+                record = read_record(store.backend, info.key)
+                if record is not None and float(record["expires"]) <= time.time():
+                    store.backend.delete(info.key)
+        finally:
+            lock.release()
+    return Report(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
+                  deletable=len(p.deletable), deleted=deleted, freed_bytes=freed, retained=len(p.young), postponed=postponed,
+                  missing=p.missing, dry_run=dry_run, seconds=time.monotonic() - started)

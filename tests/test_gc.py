@@ -1,0 +1,234 @@
+"""Garbage collection (layerstore/gc.py): each safety rule has a test, plus a
+hypothesis run interleaving imports, pushes, ref and snapshot deletions and
+GC runs (some crashing midway) that checks everything still named is intact."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from layerstore import gc
+from layerstore.errors import BackendUnavailable
+from layerstore.exporter import export_image
+from layerstore.importer import import_image
+from layerstore.lease import GC_LOCK, LEASE_PREFIX, Lease
+from layerstore.localdir import LocalDirBackend
+from layerstore.store import Store
+from layerstore.templates import new_template
+from layerstore.transfer import copy
+from layerstore.verify import verify_store
+from tests.images import write_image
+from tests.test_snapshot import _layers, _snap
+from tests.test_transfer import keys, local_store
+
+HOUR = 3600.0
+
+
+def garbage(store: Store, tmp_path: Path, seed: int = 9) -> set[str]:
+    """Import an image, then drop its ref: its manifest and chunks become garbage."""
+    write_image(tmp_path / f"g{seed}.img", "rrp", seed=seed)
+    manifest = import_image(store, tmp_path / f"g{seed}.img", f"garbage:v{seed}").manifest_id
+    store.delete_ref(f"garbage:v{seed}")
+    chunks = {f"chunks/{d[:2]}/{d}" for d in store.chunk_map(manifest)[1].values()}
+    return chunks | {f"manifests/{manifest}"}
+
+
+def test_two_phases_and_the_grace_period(store: Store, tmp_path: Path) -> None:
+    data = write_image(tmp_path / "keep.img", "rzr", seed=1)
+    import_image(store, tmp_path / "keep.img", "keep:v1")
+    doomed = garbage(store, tmp_path)
+    before = keys(store, "")
+
+    young = gc.collect(store, grace=HOUR)  # everything is younger than an hour
+    assert young.deleted == 0 and young.retained == len(doomed) and young.candidates == 0
+    later = time.time() + 2 * HOUR  # pretend two hours passed
+    first = gc.collect(store, grace=HOUR, now=later)
+    assert first.deleted == 0 and first.candidates == len(doomed)  # phase one: recorded only
+    assert keys(store, "manifests/") | keys(store, "chunks/") == {k for k in before if k.startswith(("m", "c"))}
+    too_soon = gc.collect(store, grace=HOUR, now=later + HOUR / 2)
+    assert too_soon.deleted == 0  # recorded less than `grace` ago
+    second = gc.collect(store, grace=HOUR, now=later + 2 * HOUR)
+    assert second.deleted == len(doomed) and second.freed_bytes > 0
+    assert not (doomed & keys(store, ""))
+    assert not verify_store(store).errors
+    export_image(store, "keep:v1", tmp_path / "out.img")
+    assert (tmp_path / "out.img").read_bytes() == data
+
+
+def test_dry_run_changes_nothing(store: Store, tmp_path: Path) -> None:
+    doomed = garbage(store, tmp_path)
+    gc.collect(store, grace=0, now=time.time() + 10)
+    before = {o.key: o.size for o in store.backend.list("")}
+    report = gc.collect(store, grace=0, dry_run=True, now=time.time() + 20)
+    assert report.dry_run and report.deletable == len(doomed) and report.deleted == 0
+    assert {o.key: o.size for o in store.backend.list("")} == before
+
+
+def test_roots_refs_templates_snapshots_are_kept(tmp_path: Path) -> None:
+    store = local_store(tmp_path / "s")
+    ids = _layers(store, tmp_path)
+    snap = store.put_snapshot(_snap(ids))
+    write_image(tmp_path / "t.img", "rp", seed=3)
+    import_image(store, tmp_path / "t.img", "tpl-image:v1")
+    store.put_template(new_template("t1", "image", "tpl-image:v1"))
+    store.delete_ref("tpl-image:v1")  # still named by the template
+    for i in range(2):
+        gc.collect(store, grace=0, now=time.time() + 10 + i)
+    assert store.get_snapshot(snap) and not verify_store(store).errors
+    assert gc.plan(store, grace=0).candidates == {}  # nothing reachable was ever a candidate
+    store.delete_snapshot(snap)
+    store.delete_template("t1")
+    for i in range(2):
+        report = gc.collect(store, grace=0, now=time.time() + 20 + i)
+    assert report.deleted > 0 and keys(store, "chunks/") == set() and keys(store, "manifests/") == set()
+    store.close()
+
+
+def test_a_live_lease_postpones_deletion_and_a_stale_one_expires(store: Store, tmp_path: Path) -> None:
+    doomed = garbage(store, tmp_path)
+    gc.collect(store, grace=0, now=time.time() + 10)
+    with Lease(store.backend, "push in progress", ttl=60):
+        report = gc.collect(store, grace=0, now=time.time() + 20)
+        assert report.deleted == 0 and "push in progress" in report.postponed
+    assert doomed <= keys(store, "")
+    store.backend.put(f"{LEASE_PREFIX}dead", json.dumps({"holder": "gone:1", "expires": time.time() - 1}).encode())
+    report = gc.collect(store, grace=0, now=time.time() + 30)
+    assert report.deleted == len(doomed) and keys(store, LEASE_PREFIX) == set()  # expired: ignored, then removed
+
+
+def test_a_push_waits_for_a_gc_that_is_deleting(store: Store) -> None:
+    store.backend.put(GC_LOCK, json.dumps({"holder": "other:1", "expires": time.time() + 60}).encode())
+    with pytest.raises(Exception, match="being garbage-collected"):
+        Lease(store.backend, "push", gc_wait=0.2).__enter__()
+    assert keys(store, LEASE_PREFIX) == set()
+    with pytest.raises(Exception, match="another GC"):
+        gc.collect(store, grace=0)
+
+
+def test_recheck_right_before_deleting(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ref published between the plan and the deletion saves what it names."""
+    write_image(tmp_path / "r.img", "rr", seed=4)
+    manifest = import_image(store, tmp_path / "r.img", "late:v1").manifest_id
+    store.delete_ref("late:v1")
+    gc.collect(store, grace=0, now=time.time() + 10)
+    calls = []
+    real_mark = gc.mark
+
+    def mark_then_publish(s, extra=()):  # noqa: ANN001, ANN202
+        result = real_mark(s, extra)
+        if not calls:
+            store.set_ref("late:v1", manifest)  # a writer names it after the plan was made
+        calls.append(1)
+        return result
+
+    monkeypatch.setattr(gc, "mark", mark_then_publish)
+    report = gc.collect(store, grace=0, now=time.time() + 20)
+    assert len(calls) == 2 and report.deleted == 0
+    export_image(store, "late:v1", tmp_path / "out.img")
+    assert not verify_store(store).errors
+
+
+def test_a_gc_that_crashes_midway_leaves_a_valid_store(tmp_path: Path) -> None:
+    class Crashy(LocalDirBackend):
+        deletes = 0
+        limit = 10 ** 9
+
+        def delete(self, key: str) -> None:
+            if key.startswith(("chunks/", "manifests/")):
+                Crashy.deletes += 1
+                if Crashy.deletes > Crashy.limit:
+                    raise BackendUnavailable("power cut (injected)")
+            super().delete(key)
+
+    from layerstore.catalog import Catalog
+
+    store = Store(Crashy(tmp_path / "o"), Catalog(tmp_path / "c"))
+    data = write_image(tmp_path / "k.img", "rr", seed=5)
+    import_image(store, tmp_path / "k.img", "keep:v1")
+    doomed = garbage(store, tmp_path, seed=6) | garbage(store, tmp_path, seed=7)
+    gc.collect(store, grace=0, now=time.time() + 10)
+    Crashy.limit = 3
+    with pytest.raises(BackendUnavailable):
+        gc.collect(store, grace=0, now=time.time() + 20)
+    assert not verify_store(store).errors  # manifests went first: none names a deleted chunk
+    assert keys(store, "manifests/") & doomed == set()
+    Crashy.limit = 10 ** 9
+    store.backend.delete(GC_LOCK)  # what the lock's expiry does for a crashed GC
+    gc.collect(store, grace=0, now=time.time() + 30)
+    assert not (doomed & keys(store, ""))
+    export_image(store, "keep:v1", tmp_path / "out.img")
+    assert (tmp_path / "out.img").read_bytes() == data
+    store.close()
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["import", "push", "delref", "delsnap", "snapshot", "gc", "gc-crash"]),
+                         st.integers(0, 3)), min_size=4, max_size=18)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_property_everything_named_survives_any_interleaving(ops: list[tuple[str, int]], tmp_path_factory) -> None:  # noqa: ANN001
+    tmp = tmp_path_factory.mktemp("prop")
+    node, remote = local_store(tmp / "node"), local_store(tmp / "remote")
+    clock = [time.time() + 10]
+    try:
+        for op, n in ops:
+            clock[0] += 1
+            if op == "import":
+                write_image(tmp / f"i{n}.img", "rzp"[: 1 + n % 3] + "r", seed=n)
+                import_image(node, tmp / f"i{n}.img", f"img{n}:v1")
+            elif op == "push" and f"img{n}:v1" in {str(r) for r, _m, _u in node.list_refs()}:
+                copy(node, remote, f"img{n}:v1")
+            elif op == "delref":
+                for s in (node, remote):
+                    if f"img{n}:v1" in {str(r) for r, _m, _u in s.list_refs()}:
+                        s.delete_ref(f"img{n}:v1")
+            elif op == "snapshot":
+                refs = node.list_refs()
+                if refs:
+                    m = refs[n % len(refs)][1]
+                    snap = _snap({"disk": m, "memory": m, "state": m, "kernel": m, "initrd": m})
+                    snap_id = node.put_snapshot(snap)
+                    copy(node, remote, snap_id)
+            elif op == "delsnap":
+                for s in (node, remote):
+                    snaps = s.list_snapshots()
+                    if snaps:
+                        s.delete_snapshot(snaps[n % len(snaps)])
+            elif op in ("gc", "gc-crash"):
+                for s in (node, remote):
+                    if op == "gc-crash":
+                        real = s.backend.delete
+                        count = [0]
+
+                        def failing(key: str, real=real, count=count) -> None:  # noqa: ANN001
+                            count[0] += 1
+                            if count[0] > n:
+                                raise BackendUnavailable("crash (injected)")
+                            real(key)
+
+                        s.backend.delete = failing  # type: ignore[method-assign]
+                        try:
+                            gc.collect(s, grace=0, now=clock[0])
+                        except BackendUnavailable:
+                            real(GC_LOCK)
+                        finally:
+                            s.backend.delete = real  # type: ignore[method-assign]
+                    else:
+                        gc.collect(s, grace=0, now=clock[0])
+        for s in (node, remote):
+            report = verify_store(s)
+            assert not report.errors, report.errors
+            for ref, _m, _u in s.list_refs():  # every named image reads back, every chunk verified
+                export_image(s, str(ref), tmp / "check.img")
+            for snap_id in s.list_snapshots():
+                for layer in s.get_snapshot(snap_id).layer_ids():
+                    s.chunk_map(layer)
+    finally:
+        node.close()
+        remote.close()
