@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 
 from layerstore.errors import (AccessDenied, BackendUnavailable, Conflict, InvalidInput, MissingChunk, NotFound,
                                StrataError)
+from layerstore.chunk import chunk_key
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
 from layerstore.store import inspect_image
@@ -456,11 +457,25 @@ def create_app(node: Node) -> FastAPI:
         return m.ImportResult(ref=name, manifest=result.manifest_id, size=result.size, new_chunks=result.new_chunks,
                               new_stored_bytes=result.new_stored_bytes, seconds=round(result.seconds, 3))
 
+    # --- chunks for peers -------------------------------------------------------------------------
+    @app.get("/chunks/{digest}", dependencies=auth, tags=["peers"], response_class=Response,
+             summary="A stored chunk object (zstd frame) for a peer node; it verifies the digest itself",
+             responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                 "format": "binary"}}}}})
+    def get_chunk(digest: str) -> Response:
+        try:
+            key = chunk_key(digest)
+        except InvalidInput:
+            raise NotFound(f"chunk {digest!r} not found") from None
+        blob = node.store.backend.get(key)  # this node's own store only: peers fall back to the remote themselves
+        return Response(blob, media_type="application/octet-stream")
+
     # --- cache (stats for everyone, control for admins) -------------------------------------------
     @app.get("/cache", response_model=m.CacheStats, dependencies=auth, tags=["cache"])
     def cache_stats() -> dict:
         reply = node.boxes.control({"op": "stats"})
-        return {**reply["cache"], "memory_hits": reply["memory_hits"], "backend_fetches": reply["fetches"]}
+        return {**reply["cache"], "memory_hits": reply["memory_hits"], "backend_fetches": reply["fetches"],
+                "sources": reply.get("sources", {})}
 
     @app.post("/admin/cache/drop", dependencies=admin, tags=["admin"], summary="Evict every unpinned chunk")
     def cache_drop() -> dict:

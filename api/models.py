@@ -204,6 +204,8 @@ class CacheStats(BaseModel):
     capacity: int
     hits: int
     misses: int
+    sources: dict[str, int] = Field(default_factory=dict,
+                                    description="where fetched chunks came from: local, peer, remote, peer_rejected")
 
 
 class PinRequest(BaseModel):

@@ -115,6 +115,7 @@ def mount(
     upper_dir: str | os.PathLike[str] | None = None,
     log_file: str | os.PathLike[str] | None = None,
     timeout: float = 60.0,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Start a background daemon for `mountpoint` and wait until it serves.
 
@@ -133,7 +134,7 @@ def mount(
         cmd += ["--upper-dir", str(upper_dir)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_fd,),
-                                start_new_session=True, cwd="/")
+                                start_new_session=True, cwd="/", env=env)
     os.close(write_fd)
     deadline = time.monotonic() + timeout
     with os.fdopen(read_fd) as ready:
@@ -153,7 +154,7 @@ def mount(
         proc.wait(timeout=10)
         message = line.removeprefix("error: ") if line else f"mount daemon exited with status {proc.returncode} (log: {log_path})"
         raise DaemonError(message)
-    reply = call(mp, {"op": "ping"}, timeout=10)
+    reply = call(mp, {"op": "ping"}, timeout=10, env=env)
     return {"mountpoint": str(mp), "pid": proc.pid, "log": str(log_path), "store": reply["store"]}
 
 

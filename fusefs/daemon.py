@@ -264,7 +264,7 @@ class Daemon:
 
     def op_stats(self, _r: dict[str, Any]) -> dict[str, Any]:
         return {"cache": self.cat.cache.snapshot_stats(), "fetches": self.cat.fetcher.fetches,
-                "memory_hits": self.cat.fetcher.memory_hits,
+                "memory_hits": self.cat.fetcher.memory_hits, "sources": dict(self.cat.store.sources),
                 "sandboxes": len(self.cat.sandboxes), "open_files": self.fs.open_handles()}
 
     def op_sandbox_create(self, r: dict[str, Any]) -> dict[str, Any]:

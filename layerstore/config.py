@@ -123,6 +123,8 @@ class Field:
 FIELDS: tuple[Field, ...] = (
     Field("store", str, None, "the store: a directory (embedded) or s3://BUCKET/PREFIX"),
     Field("remote", str, "", "shared store (s3://...) a node reads chunks from that its store lacks (after a lazy pull)"),
+    Field("peers", str, "", "other nodes (http://HOST:PORT,...) asked for a chunk before the remote store"),
+    Field("peer_key", str, "", "the API key this node presents to its peers; environment only", secret=True),
     Field("state_dir", str, DEFAULT_STATE_DIR, "per-node state: catalogs, cache, upper layers, sandboxes"),
     Field("mount", str, "", "the node's FUSE mount point (default STATE_DIR/mnt)"),
     Field("cache_dir", str, "", "chunk cache directory (default STATE_DIR/cache)"),

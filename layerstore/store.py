@@ -22,23 +22,27 @@ at any point leaves at worst unreferenced chunks, which GC reclaims.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .backend import Backend, RetryingBackend
 from .catalog import Catalog
 from .chunk import DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decode_chunk, encode_chunk
 from .digest import check_digest, digest_bytes
 from .config import DEFAULT_STATE_DIR
-from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
+from .errors import BackendUnavailable, CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
 from .refs import Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
 from .templates import Template, parse_template, template_key
+
+if TYPE_CHECKING:
+    from .peers import Peers
 
 
 
@@ -46,17 +50,21 @@ class Store:
     """Chunks, manifests and refs kept in a `Backend`, with a local `Catalog`.
 
     `remote` (optional) is where chunks this store lacks are read from: a
-    node's local store after a manifests-only `strata pull`. Reads of such
-    chunks are verified like any other; nothing is written back (caching
-    is the mount's chunk cache's job).
+    node's local store after a manifests-only `strata pull`; `peers`
+    (optional, layerstore/peers.py) are other nodes asked first. Every
+    chunk, whatever its source, is verified before it is returned; nothing
+    is written back (caching is the mount's chunk cache's job).
     """
 
     def __init__(self, backend: Backend, catalog: Catalog, *, level: int = DEFAULT_LEVEL,
-                 remote: Backend | None = None) -> None:
+                 remote: Backend | None = None, peers: Peers | None = None) -> None:
         self.backend = backend
         self.catalog = catalog
         self.level = level
         self.remote = remote
+        self.peers = peers
+        # where chunks read by this process came from (local, peer, remote; peer_rejected = failed verification)
+        self.sources: collections.Counter[str] = collections.Counter()
 
     def describe(self) -> str:
         return self.backend.describe()
@@ -65,6 +73,8 @@ class Store:
         self.backend.close()
         if self.remote is not None:
             self.remote.close()
+        if self.peers is not None:
+            self.peers.close()
         self.catalog.close()
 
     def __enter__(self) -> "Store":
@@ -79,14 +89,33 @@ class Store:
         key = chunk_key(digest)
         try:
             blob = self.backend.get(key)
+            self.sources["local"] += 1
+            return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
         except NotFound:
-            if self.remote is None:
-                raise MissingChunk(f"chunk {digest} is missing from {self.describe()}") from None
-            try:
-                blob = self.remote.get(key)
-            except NotFound:
-                raise MissingChunk(f"chunk {digest} is missing from {self.describe()} and its remote "
-                                   f"{self.remote.describe()}") from None
+            pass
+        if self.peers is not None:
+            for peer in self.peers.candidates():
+                try:
+                    data = decode_chunk(digest, peer.get_chunk(digest), max_size=MAX_CHUNK_SIZE)
+                except NotFound:
+                    continue
+                except BackendUnavailable as exc:
+                    self.peers.failed(peer, str(exc))
+                    continue
+                except CorruptObject as exc:  # a lying or broken peer: never used, never again soon
+                    self.sources["peer_rejected"] += 1
+                    self.peers.failed(peer, f"sent a chunk that fails verification ({exc})")
+                    continue
+                self.sources["peer"] += 1
+                return data
+        if self.remote is None:
+            raise MissingChunk(f"chunk {digest} is missing from {self.describe()}")
+        try:
+            blob = self.remote.get(key)
+        except NotFound:
+            raise MissingChunk(f"chunk {digest} is missing from {self.describe()} and its remote "
+                               f"{self.remote.describe()}") from None
+        self.sources["remote"] += 1
         return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
 
     def write_chunk(self, digest: str, data: bytes | memoryview, *, level: int | None = None) -> int:
@@ -396,10 +425,14 @@ def open_store(
     except StrataError:
         inner.close()
         raise
-    remote = None
+    remote = peers = None
     if env.get("STRATA_REMOTE") and env["STRATA_REMOTE"] != spec:
         remote = open_backend(env["STRATA_REMOTE"], env=env, retry_attempts=retry_attempts)
-    return Store(RetryingBackend(inner, attempts=retry_attempts), catalog, level=level, remote=remote)
+    if env.get("STRATA_PEERS"):
+        from .peers import Peers
+
+        peers = Peers(env["STRATA_PEERS"].split(","), api_key=env.get("STRATA_PEER_KEY", ""))
+    return Store(RetryingBackend(inner, attempts=retry_attempts), catalog, level=level, remote=remote, peers=peers)
 
 
 def open_backend(spec: str, *, env: Mapping[str, str], retry_attempts: int = 4, create: bool = False) -> Backend:

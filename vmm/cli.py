@@ -53,7 +53,7 @@ def ensure_mount(mnt: Path, store_spec: str, wanted: str, env: dict[str, str], o
         mnt.mkdir(parents=True, exist_ok=True)
         with out.status(f"mounting {wanted} at {mnt}"):
             mount(mnt, store=store_spec, cache_dir=env.get("STRATA_CACHE_DIR") or _state(env) / "cache",
-                  cache_size=cache_size)
+                  cache_size=cache_size, env=env)  # the daemon sees the node's whole config (remote, peers)
         return
     if served != wanted:
         raise InvalidInput(f"{mnt} serves {served}, not {wanted}: pass --mount for another mount point")

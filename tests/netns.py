@@ -1,0 +1,76 @@
+"""Network namespaces a test creates (and removes): a hub with a bridge, and
+one namespace per node wired to it by a veth pair. Nothing touches the host's
+own namespace: the test thread enters the hub with setns(2) to talk to the
+nodes, and processes start inside a namespace through `ip netns exec`."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+CLONE_NEWNET = 0x40000000
+
+
+def ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
+
+
+class Lab:
+    """hub (bridge br0, 10.99.0.1/24) + nodes NAME at 10.99.0.<10+i>/24."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.hub = f"st-{tag}-hub"
+        self.nodes: dict[str, str] = {}  # name -> netns
+        self.addrs: dict[str, str] = {"hub": "10.99.0.1"}
+        ip("netns", "add", self.hub)
+        ip("-n", self.hub, "link", "set", "lo", "up")
+        ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.hub, "addr", "add", "10.99.0.1/24", "dev", "br0")
+        ip("-n", self.hub, "link", "set", "br0", "up")
+
+    def add_node(self, name: str) -> str:
+        ns = f"st-{self.tag}-{name}"
+        addr = f"10.99.0.{10 + len(self.nodes) + 1}"
+        ip("netns", "add", ns)
+        ip("-n", ns, "link", "set", "lo", "up")
+        inside, outside = f"v{name}", f"h{name}"
+        ip("-n", ns, "link", "add", inside, "type", "veth", "peer", "name", outside, "netns", self.hub)
+        ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inside)
+        ip("-n", ns, "link", "set", inside, "up")
+        ip("-n", self.hub, "link", "set", outside, "master", "br0")
+        ip("-n", self.hub, "link", "set", outside, "up")
+        self.nodes[name], self.addrs[name] = ns, addr
+        return ns
+
+    def cut(self, name: str) -> None:
+        """Unplug a node from the hub (its processes keep running)."""
+        ip("-n", self.hub, "link", "set", f"h{name}", "down")
+
+    def prefix(self, name: str) -> tuple[str, ...]:
+        return ("ip", "netns", "exec", self.nodes[name] if name != "hub" else self.hub)
+
+    @contextmanager
+    def inside(self, name: str = "hub") -> Iterator[None]:
+        """Run this thread's network calls inside a namespace (setns(2) is per thread)."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
+        target = os.open(f"/run/netns/{self.nodes.get(name, self.hub)}", os.O_RDONLY)
+        try:
+            if libc.setns(target, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns")
+            yield
+        finally:
+            libc.setns(own, CLONE_NEWNET)
+            os.close(own)
+            os.close(target)
+
+    def destroy(self) -> None:
+        for ns in [*self.nodes.values(), self.hub]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

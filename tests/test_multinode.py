@@ -1,0 +1,91 @@
+"""Two nodes and one SeaweedFS server, each in its own network namespace
+(tests/netns.py): node A snapshots a running sandbox and pushes it; node B
+pulls only the manifests and restores it, its chunks coming from A while A is
+reachable and from the shared store once A is cut off. Real TCG guests, real
+FUSE mounts, real HTTP between the namespaces."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import IN_CI, needs_qemu
+from tests.netns import Lab
+from tests.node_server import API_KEY, NodeServer
+from tests.seaweedfs_server import SeaweedFS
+
+pytestmark = [needs_qemu, pytest.mark.skipif(
+    (os.geteuid() != 0 or shutil.which("ip") is None) and not IN_CI,
+    reason="network namespaces need root and iproute2 (ip)")]
+
+
+def exec_in(node: NodeServer, sid: str, command: str) -> str:
+    r = node.client.post(f"/sandboxes/{sid}/exec", json={"command": command})
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    return r.json()["output"].strip()
+
+
+def test_push_pull_and_peer_fetch_across_namespaces(tmp_path: Path, guest: Path) -> None:
+    lab = Lab(f"{os.getpid() % 10000}")
+    nodes: list[NodeServer] = []
+    weed = None
+    try:
+        lab.add_node("a")
+        lab.add_node("b")
+        with lab.inside("hub"):  # this thread talks to every namespace through the hub's bridge
+            weed = SeaweedFS(tmp_path / "weed", ip=lab.addrs["hub"], prefix=lab.prefix("hub")).start()
+            weed.create_bucket("shared")
+            s3 = {"STRATA_S3_ENDPOINT": weed.endpoint, "AWS_ACCESS_KEY_ID": weed.access_key,
+                  "AWS_SECRET_ACCESS_KEY": weed.secret_key, "AWS_REGION": weed.region,
+                  "STRATA_REMOTE": "s3://shared/cluster"}
+            a = NodeServer(tmp_path / "a", guest, host=lab.addrs["a"], prefix=lab.prefix("a"), **s3)
+            b = NodeServer(tmp_path / "b", guest, host=lab.addrs["b"], prefix=lab.prefix("b"), **s3,
+                           STRATA_PEERS=a.url, STRATA_PEER_KEY=API_KEY)
+            nodes += [a, b]
+            a.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+            a.start()
+            b.start()
+            assert a.client.post("/templates", json={"name": "base", "image": "guest:v1"}).status_code == 201
+
+            # node A: a sandbox with state on disk and in memory, snapshotted as a template, pushed
+            src = a.client.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+            exec_in(a, src, "echo made-on-a > /root/origin; sync; "
+                            "(i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done) >/dev/null 2>&1 &")
+            r = a.client.post(f"/sandboxes/{src}/snapshots", json={"name": "golden"})
+            assert r.status_code == 201, r.text
+            pushed = a.admin.post("/admin/push", json={"name": "golden"})
+            assert pushed.status_code == 200 and pushed.json()["chunks_sent"] > 0, pushed.text
+
+            # node B: manifests only, then a restore whose chunks come from A
+            pulled = b.admin.post("/admin/pull", json={"name": "golden", "full": False})
+            assert pulled.status_code == 200 and pulled.json()["chunks_sent"] == 0, pulled.text
+            first = b.client.post("/sandboxes", json={"templateID": "golden"})
+            assert first.status_code == 201, first.text
+            sid = first.json()["sandboxID"]
+            assert exec_in(b, sid, "cat /root/origin") == "made-on-a"
+            assert int(exec_in(b, sid, "cat /tmp/n")) > 0  # the process kept counting after the move
+            sources = b.client.get("/cache").json()["sources"]
+            assert sources.get("peer", 0) > 0 and sources.get("remote", 0) == 0, sources
+
+            # A unplugged: B's next restore (empty cache) falls back to the shared store
+            assert b.client.delete(f"/sandboxes/{sid}").status_code == 204
+            assert b.admin.post("/admin/cache/drop").status_code == 200
+            lab.cut("a")
+            second = b.client.post("/sandboxes", json={"templateID": "golden"})
+            assert second.status_code == 201, second.text
+            assert exec_in(b, second.json()["sandboxID"], "cat /root/origin") == "made-on-a"
+            after = b.client.get("/cache").json()["sources"]
+            assert after.get("remote", 0) > 0 and after.get("peer_rejected", 0) == 0, after
+            assert b.client.delete(f"/sandboxes/{second.json()['sandboxID']}").status_code == 204
+    finally:
+        for node in nodes:
+            node.cleanup()
+        if weed is not None:
+            weed.stop()
+        lab.destroy()
+    for node in nodes:
+        assert subprocess.run(["pgrep", "-f", str(node.tmp / "state")], capture_output=True).stdout == b""
