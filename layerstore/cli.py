@@ -213,11 +213,11 @@ def cmd_image_rm(args: argparse.Namespace, env: dict[str, str], out: Output) -> 
     return 0
 
 
-def _copy(src: Store, dst: Store, name: str, out: Output, *, chunks: bool, verb: str) -> int:
+def _copy(src: Store, dst: Store, name: str, out: Output, *, chunks: bool, verb: str, prefetch: bool = False) -> int:
     from .transfer import copy
 
     with out.progress(f"{verb} {name}") as (advance, set_total):
-        res = copy(src, dst, name, chunks=chunks, progress=advance, on_total=set_total)
+        res = copy(src, dst, name, chunks=chunks, prefetch=prefetch, progress=advance, on_total=set_total)
     out.result(res.as_dict(), f"{verb} {res.name}: {res.chunks_sent} of {res.chunks_total} chunks sent "
                               f"({human_bytes(res.bytes_sent)}), {res.manifests_sent} manifests, "
                               f"{res.snapshots_sent} snapshots, {res.seconds:.2f} s")
@@ -235,7 +235,7 @@ def cmd_pull(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
         raise InvalidInput(f"a lazy pull leaves chunks in {args.source}: this node must read them from there "
                            f"(set STRATA_REMOTE={args.source}, config `remote`), or pull --full")
     with open_store(args.source, env=env) as src, open_store(local, env=env) as dst:
-        return _copy(src, dst, args.name, out, chunks=args.full, verb="pulled")
+        return _copy(src, dst, args.name, out, chunks=args.full, prefetch=args.prefetch, verb="pulled")
 
 
 def _mount_roots(store: Store, env: dict[str, str]) -> list:
@@ -347,8 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = nouns.add_parser("pull", parents=[common], help="fetch an image, snapshot or template from another store")
     p.add_argument("name", metavar="REF", help="NAME:TAG, a snapshot id, or a template name")
     p.add_argument("--from", dest="source", required=True, metavar="STORE")
-    p.add_argument("--full", action="store_true", help="copy every chunk too (default: manifests only; chunks "
-                                                        "load lazily from --from, set as STRATA_REMOTE)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--full", action="store_true", help="copy every chunk too (default: manifests only; chunks "
+                                                         "load lazily from --from, set as STRATA_REMOTE)")
+    how.add_argument("--prefetch", action="store_true", help="copy the chunks of the recorded working set "
+                                                             "(strata image record-prefetch); the rest loads lazily")
     p.set_defaults(func=cmd_pull)
     p = nouns.add_parser("gc", parents=[common], help="delete chunks and manifests no ref, template or snapshot reaches")
     p.add_argument("--grace", default="24h", help="never delete anything younger (default 24h)")

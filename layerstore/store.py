@@ -128,6 +128,12 @@ class Store:
         """Store an already-encoded chunk object (see chunk.encode_chunk)."""
         self.backend.put(chunk_key(digest), blob)
 
+    def local_missing_chunks(self, digests: Iterable[str]) -> set[str]:
+        """The digests among `digests` this store itself lacks (its remote not asked)."""
+        wanted = {chunk_key(d): d for d in digests}
+        present = self.backend.has_many(wanted)
+        return {d for k, d in wanted.items() if k not in present}
+
     def missing_chunks(self, digests: Iterable[str]) -> set[str]:
         """The digests among `digests` whose objects the backend lacks (one batch)."""
         wanted = {chunk_key(d): d for d in digests}

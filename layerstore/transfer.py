@@ -19,6 +19,7 @@ store whose `remote` is the source, so the mount loads chunks lazily from it
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ from .store import Store
 from .templates import Template
 
 Progress = Callable[[int], None]
+PREFETCH_PREFIX = "prefetch/"  # recorded working sets (fusefs/daemon.py writes them)
 
 
 @dataclass
@@ -54,19 +56,27 @@ def copy(
     name_text: str,
     *,
     chunks: bool = True,
+    prefetch: bool = False,
     workers: int = 8,
     progress: Progress | None = None,
     on_total: Progress | None = None,
 ) -> TransferResult:
-    """Copy `name` (NAME:TAG, snapshot id or template) and its closure from `src` to `dst`."""
+    """Copy `name` (NAME:TAG, snapshot id or template) and its closure from
+    `src` to `dst`. `chunks=False, prefetch=True` copies only the chunks of
+    the image's recorded prefetch list (`strata image record-prefetch`): the
+    working set a sandbox reads first; the rest loads lazily."""
     started = time.monotonic()
     name = parse_name(name_text)
     closure = Closure()
     published = closure.add(src, name, strict=True)
+    wanted = closure.chunks
+    prefetch_objects: dict[str, bytes] = {}
+    if not chunks and prefetch:
+        wanted, prefetch_objects = _prefetch_set(src, closure)
     with Lease(dst.backend, f"copy {name} from {src.describe()}"):
         sent = sent_bytes = 0
-        if chunks:
-            missing = sorted(dst.missing_chunks(closure.chunks))
+        if chunks or prefetch:
+            missing = sorted(dst.local_missing_chunks(wanted))
             if on_total is not None:
                 on_total(len(missing))
 
@@ -92,9 +102,30 @@ def copy(
         snapshots = [s for s in closure.snapshots if dst.backend.stat(f"snapshots/{s}") is None]
         for snapshot_id in snapshots:
             dst.put_snapshot(src.get_snapshot(snapshot_id))
+        for key, blob in prefetch_objects.items():
+            dst.backend.put(key, blob)
         if isinstance(published, Template):
             dst.put_template(published)
         elif isinstance(published, str):
             dst.set_ref(name.value, published)
     return TransferResult(str(name), len(closure.chunks), sent, sent_bytes, len(manifests), len(snapshots),
                           time.monotonic() - started)
+
+
+def _prefetch_set(src: Store, closure: Closure) -> tuple[set[str], dict[str, bytes]]:
+    """Chunks named by the prefetch lists recorded for the closure's layers."""
+    wanted: set[str] = set()
+    objects: dict[str, bytes] = {}
+    for layer_id in closure.layers:
+        key = f"{PREFETCH_PREFIX}{layer_id}"
+        try:
+            blob = src.backend.get(key)
+            indices = [int(i) for i in json.loads(blob)]
+        except NotFound:
+            continue
+        except (ValueError, TypeError):
+            continue  # a torn list only costs laziness
+        chunk_map = src.chunk_map(layer_id)[1]
+        wanted.update(chunk_map[i] for i in indices if i in chunk_map)
+        objects[key] = blob
+    return wanted, objects

@@ -166,3 +166,18 @@ def test_cli_push_and_pull_through_seaweedfs(tmp_path: Path, seaweed) -> None:  
     dead = strata(["push", "app:v1", "--to", "s3://strata-tests/x", "--store", a],
                   {**env, "STRATA_S3_ENDPOINT": "http://127.0.0.1:9"})
     assert dead.returncode == 1 and dead.stderr.startswith("strata: error:") and dead.stderr.count("\n") == 1
+
+
+def test_prefetch_pull_copies_only_the_recorded_working_set(src: Store, tmp_path: Path) -> None:
+    write_image(tmp_path / "a.img", "rrrr", seed=6)
+    manifest = import_image(src, tmp_path / "a.img", "ws:v1").manifest_id
+    chunk_map = src.chunk_map(manifest)[1]
+    src.backend.put(f"prefetch/{manifest}", json.dumps([0, 2]).encode())  # what record-prefetch writes
+    node = local_store(tmp_path / "node", remote=LocalDirBackend(tmp_path / "src" / "objects", create=False))
+    result = copy(src, node, "ws:v1", chunks=False, prefetch=True)
+    assert result.chunks_sent == 2
+    assert keys(node, "chunks/") == {chunk_key(chunk_map[0]), chunk_key(chunk_map[2])}
+    assert json.loads(node.backend.get(f"prefetch/{manifest}")) == [0, 2]  # the list travels too
+    export_image(node, "ws:v1", tmp_path / "out.img")  # the other two read through the remote
+    assert (tmp_path / "out.img").read_bytes() == (tmp_path / "a.img").read_bytes()
+    node.close()
