@@ -181,3 +181,35 @@ def test_prefetch_pull_copies_only_the_recorded_working_set(src: Store, tmp_path
     export_image(node, "ws:v1", tmp_path / "out.img")  # the other two read through the remote
     assert (tmp_path / "out.img").read_bytes() == (tmp_path / "a.img").read_bytes()
     node.close()
+
+
+def test_credentials_revoked_mid_push(src: Store, tmp_path: Path, seaweed) -> None:  # noqa: ANN001
+    """A real SeaweedFS starts rejecting our keys halfway: a clear AccessDenied, nothing named, and a
+    retry with good keys finishes the job."""
+    from layerstore.errors import AccessDenied
+    from layerstore.s3 import S3Backend, S3Config
+
+    write_image(tmp_path / "a.img", "rrrrrr", seed=7)
+    import_image(src, tmp_path / "a.img", "rev:v1")
+    config = S3Config(bucket="strata-tests", prefix=f"rev-{tmp_path.name}", endpoint=seaweed.endpoint,
+                      region=seaweed.region, access_key=seaweed.access_key, secret_key=seaweed.secret_key)
+
+    class Revoked(S3Backend):
+        puts = 0
+
+        def put(self, key: str, data: bytes) -> None:
+            if key.startswith("chunks/"):
+                Revoked.puts += 1
+                if Revoked.puts == 3:  # from now on this client signs with keys the server does not know
+                    self._client = seaweed.client(access_key="revoked-key", secret_key="revoked-secret")
+            super().put(key, data)
+
+    dst = Store(RetryingBackend(Revoked(config), attempts=2, base_delay=0.01), Catalog(tmp_path / "cat1"))
+    with pytest.raises(AccessDenied):
+        copy(src, dst, "rev:v1", workers=1)
+    dst.close()
+    good = Store(RetryingBackend(S3Backend(config), attempts=2), Catalog(tmp_path / "cat2"))
+    assert keys(good, "manifests/") == set() and keys(good, "refs/") == set()
+    assert copy(src, good, "rev:v1").chunks_sent == 4  # the 2 that made it are not sent again
+    assert not verify_store(good).errors
+    good.close()
