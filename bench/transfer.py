@@ -240,10 +240,15 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def rclone_env(ctx: Ctx) -> dict[str, str]:
-    """An inline S3 remote named `seaweed`, nothing read from ~/.config."""
+    """An inline S3 remote named `seaweed`, nothing read from ~/.config.
+
+    AWS_CA_BUNDLE is blanked: rclone's AWS SDK refuses to build its HTTP client
+    when it is set ("unsupported transport, *fshttp.Transport"), even for an
+    http:// endpoint where no certificate is involved.
+    """
     s = ctx.server
     p = f"RCLONE_CONFIG_{RCLONE_REMOTE.upper()}_"
-    return {"RCLONE_CONFIG": str(ctx.run / "rclone.conf"), p + "TYPE": "s3", p + "PROVIDER": "SeaweedFS",
+    return {"AWS_CA_BUNDLE": "", "RCLONE_CONFIG": str(ctx.run / "rclone.conf"), p + "TYPE": "s3", p + "PROVIDER": "SeaweedFS",
             p + "ENDPOINT": s.endpoint, p + "ACCESS_KEY_ID": s.access_key,
             p + "SECRET_ACCESS_KEY": s.secret_key, p + "REGION": s.region}
 
@@ -570,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"changed data: v2's layer holds {v2_import['new_chunks']} new chunks, "
               f"{v2_import['new_raw_bytes'] / MiB:.1f} MiB raw, {v2_import['new_stored_bytes'] / MiB:.1f} MiB stored")
     print(table(summary, names, rat))
+    agree = [f"{step} {r.tool_bytes:.0f} / {r.delta_bytes:.0f}" for step in STEPS
+             if (r := summary.get(("strata", step))) and r.status == "ok" and r.tool_bytes is not None]
+    if agree:
+        print("strata bytes_sent / destination delta (delta adds manifests and refs): " + ", ".join(agree))
     print()
     grouped: dict[tuple[str, str], list[str]] = {}
     for r in rat:

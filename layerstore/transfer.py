@@ -75,6 +75,14 @@ def copy(
         wanted, prefetch_objects = _prefetch_set(src, closure)
     with Lease(dst.backend, f"copy {name} from {src.describe()}"):
         sent = sent_bytes = 0
+        published_layers = {m for m in closure.layers if dst.backend.stat(f"manifests/{m}") is not None}
+        if chunks and published_layers:
+            # A manifest is only ever published after its chunks, and GC deletes manifests before
+            # chunks and nothing while our lease lives: the chunks of layers the destination already
+            # has are there. Only the new layers' chunks need an existence check (an incremental
+            # push asks about the changed chunks, not the whole image).
+            wanted = {d for m in closure.layers if m not in published_layers
+                      for d in src.get_layer(m).chunks.values() if d is not None}
         if chunks or prefetch:
             missing = sorted(dst.local_missing_chunks(wanted))
             if on_total is not None:
@@ -95,7 +103,7 @@ def copy(
                 for size in pool.map(one, missing):
                     sent += 1
                     sent_bytes += size
-        manifests = [m for m in closure.layers if dst.backend.stat(f"manifests/{m}") is None]
+        manifests = [m for m in closure.layers if m not in published_layers]
         for layer_id in manifests:
             # refused if a chunk is in neither the destination nor its remote
             dst.put_layer(src.get_layer(layer_id))
