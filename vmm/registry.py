@@ -23,11 +23,11 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from fusefs.upper import check_sid
-from layerstore.errors import NotFound
+from layerstore.errors import CorruptObject, NotFound
 
 RECORD = "sandbox.json"
 
@@ -48,7 +48,6 @@ class SandboxRecord:
     pid: int | None = None  # of the VM process (the backend checks it is still ours)
     created: float = field(default_factory=time.time)
     last_snapshot: str | None = None
-    last_memory: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     template: str = ""
     end_at: float | None = None
@@ -87,17 +86,25 @@ class Registry:
             data = json.loads((self.workdir(sid) / RECORD).read_text())
         except FileNotFoundError:
             raise NotFound(f"no sandbox {sid}") from None
-        return SandboxRecord(**data)
+        except ValueError:
+            raise CorruptObject(f"the record of sandbox {sid} is unreadable ({self.workdir(sid) / RECORD})") from None
+        return _record(data)
 
     def all(self) -> list[SandboxRecord]:
         """Every readable record, oldest first (a torn or foreign directory is skipped)."""
         records = []
         for entry in self.root.iterdir():
             try:
-                records.append(SandboxRecord(**json.loads((entry / RECORD).read_text())))
+                records.append(_record(json.loads((entry / RECORD).read_text())))
             except (OSError, ValueError, TypeError):
                 continue
         return sorted(records, key=lambda r: (r.created, r.sid))
 
     def remove(self, sid: str) -> None:
         shutil.rmtree(self.workdir(sid), ignore_errors=True)
+
+
+def _record(data: dict) -> SandboxRecord:
+    """A record from its JSON, ignoring fields an older or newer Strata wrote."""
+    known = {f.name for f in fields(SandboxRecord)}
+    return SandboxRecord(**{k: v for k, v in data.items() if k in known})
