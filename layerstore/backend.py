@@ -58,6 +58,9 @@ class Backend(Protocol):
     - `list` yields an ObjectInfo (key, size, modified) for every key under
       `prefix` (a string prefix of the key), in any order, each once.
     - `delete` removes a key; deleting an absent key is not an error.
+      `delete_many` does the same for many keys in as few round trips as the
+      store allows (GC's delete phase); it may have removed some keys when
+      it raises.
     - Failures: NotFound for a missing key, BackendUnavailable when the store
       can't be reached or fails transiently (the only error worth retrying),
       AccessDenied for bad credentials, BackendError for the rest.
@@ -75,6 +78,8 @@ class Backend(Protocol):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
 
     def delete(self, key: str) -> None: ...
+
+    def delete_many(self, keys: Iterable[str]) -> None: ...
 
     def describe(self) -> str: ...
 
@@ -151,6 +156,10 @@ class RetryingBackend:
 
     def delete(self, key: str) -> None:
         self._call(lambda: self.inner.delete(key))
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self._call(lambda: self.inner.delete_many(keys))  # deleting twice is harmless: a retry is safe
 
     def describe(self) -> str:
         return self.inner.describe()

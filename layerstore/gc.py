@@ -36,6 +36,7 @@ from .store import Store
 CANDIDATES = "gc/candidates"
 SWEPT_PREFIXES = ("manifests/", "chunks/")
 DEFAULT_GRACE = 24 * 3600.0
+DELETE_BATCH = 1000  # keys per delete_many (S3's DeleteObjects limit)
 
 
 @dataclass
@@ -151,16 +152,19 @@ def collect(
                 again, _missing = mark(store, extra)  # re-check right before deleting
                 doomed = [k for k in p.deletable if k not in again]
             # manifests first: a crash midway leaves orphan chunks, never a manifest without its chunks
-            doomed.sort(key=lambda k: (not k.startswith("manifests/"), k))
-            for i, key in enumerate(doomed):
-                store.backend.delete(key)
-                if key.startswith("manifests/"):
-                    store.catalog.forget_manifest(key.split("/", 1)[1])
-                deleted += 1
-                freed += p.sizes.get(key, 0)
-                if progress is not None:
-                    progress(1)
-                if i % 1000 == 999:
+            manifests = sorted(k for k in doomed if k.startswith("manifests/"))
+            chunks = sorted(k for k in doomed if not k.startswith("manifests/"))
+            for kind in (manifests, chunks):
+                for start in range(0, len(kind), DELETE_BATCH):
+                    batch = kind[start:start + DELETE_BATCH]
+                    store.backend.delete_many(batch)
+                    for key in batch:
+                        if key.startswith("manifests/"):
+                            store.catalog.forget_manifest(key.split("/", 1)[1])
+                        freed += p.sizes.get(key, 0)
+                    deleted += len(batch)
+                    if progress is not None:
+                        progress(len(batch))
                     lock.renew()
             gone = set(doomed)
             remaining = {k: v for k, v in p.candidates.items() if k not in gone}

@@ -154,6 +154,10 @@ class LocalDirBackend:
         except OSError as exc:
             raise _os_error(exc, f"deleting {key}") from None
 
+    def delete_many(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
     def reap_tmp(self, *, max_age: float = TMP_MAX_AGE, now: float | None = None) -> int:
         """Remove temp files older than `max_age` (left by crashed writers)."""
         cutoff = (time.time() if now is None else now) - max_age

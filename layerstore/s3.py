@@ -175,6 +175,23 @@ class S3Backend:
             if not isinstance(err, NotFound):
                 raise err from None
 
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """DeleteObjects, 1,000 keys a request (S3's limit)."""
+        keys = [check_key(k) for k in keys]
+        for start in range(0, len(keys), 1000):
+            batch = keys[start:start + 1000]
+            try:
+                response = self._client.delete_objects(
+                    Bucket=self.config.bucket,
+                    Delete={"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True})
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+                raise self._error(exc, f"deleting {len(batch)} objects") from None
+            errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise BackendError(f"deleting {first.get('Key')}: {first.get('Code')}: {first.get('Message')} "
+                                   f"({len(errors)} of {len(batch)} failed)")
+
     def check_bucket(self) -> None:
         """Fail early, with a clear message, if the bucket is unusable."""
         try:

@@ -79,6 +79,17 @@ def test_list_many_keys_each_once(backend: Backend) -> None:
     assert sorted(listed) == keys
 
 
+def test_delete_many_removes_present_keys_and_ignores_absent_ones(backend: Backend) -> None:
+    keys = [f"chunks/dd/k{i:04d}" for i in range(1203)]  # more than one S3 DeleteObjects batch
+    for key in keys[:1200]:
+        backend.put(key, b"x")
+    backend.put("refs/keep/me", b"y")
+    backend.delete_many(keys)
+    assert [o.key for o in backend.list("chunks/")] == []
+    assert backend.get("refs/keep/me") == b"y"
+    backend.delete_many([])
+
+
 def test_delete_is_idempotent(backend: Backend) -> None:
     backend.put("refs/a/b", b"x")
     backend.delete("refs/a/b")

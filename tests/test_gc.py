@@ -202,8 +202,8 @@ def test_property_everything_named_survives_any_interleaving(ops: list[tuple[str
                         s.delete_snapshot(snaps[n % len(snaps)])
             elif op in ("gc", "gc-crash"):
                 for s in (node, remote):
-                    if op == "gc-crash":
-                        real = s.backend.delete
+                    if op == "gc-crash":  # the process dies after n deletions
+                        real, real_many = s.backend.delete, s.backend.delete_many
                         count = [0]
 
                         def failing(key: str, real=real, count=count) -> None:  # noqa: ANN001
@@ -212,13 +212,17 @@ def test_property_everything_named_survives_any_interleaving(ops: list[tuple[str
                                 raise BackendUnavailable("crash (injected)")
                             real(key)
 
-                        s.backend.delete = failing  # type: ignore[method-assign]
+                        def failing_many(keys, failing=failing) -> None:  # noqa: ANN001
+                            for key in keys:
+                                failing(key)
+
+                        s.backend.delete, s.backend.delete_many = failing, failing_many  # type: ignore[method-assign]
                         try:
                             gc.collect(s, grace=0, now=clock[0])
                         except BackendUnavailable:
                             real(GC_LOCK)
                         finally:
-                            s.backend.delete = real  # type: ignore[method-assign]
+                            s.backend.delete, s.backend.delete_many = real, real_many  # type: ignore[method-assign]
                     else:
                         gc.collect(s, grace=0, now=clock[0])
         for s in (node, remote):
