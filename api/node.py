@@ -58,6 +58,7 @@ class Node:
         self._threads: list[threading.Thread] = []
         self._vmm_time = threading.local()
         self._pool_lock = threading.Lock()
+        self._pool_retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
         self._capacity_lock = threading.Lock()
         self._reserved: set[str] = set()  # ids of sandboxes being created
 
@@ -130,6 +131,8 @@ class Node:
         """Top every configured pool up to its size; returns sandboxes added."""
         added = 0
         for template, size in self.config.warm_pool.items():
+            if self._pool_retry.get(template, 0.0) > time.monotonic():
+                continue  # failed recently (e.g. the template does not exist yet): don't spin
             while not self._stop.is_set() and len(self._pool(template)) < size:
                 try:
                     source = self.source(template)
@@ -138,8 +141,9 @@ class Node:
                     self.boxes.pause(sb.sid)
                     added += 1
                 except StrataError as exc:
-                    log.error("warm pool %s: %s", template, exc)
+                    log.error("warm pool %s: %s (retrying in 30 s)", template, exc)
                     self.metrics.error(exc)
+                    self._pool_retry[template] = time.monotonic() + 30.0
                     break
         return added
 
