@@ -219,6 +219,10 @@ class QemuBackend:
                 agent.close()
             tail = (spec.workdir / "qemu.log").read_text(errors="replace").strip().splitlines()[-1:]
             detail = f" (qemu: {tail[0]})" if tail else ""
+            console = spec.workdir / "console.log"
+            last = console.read_text(errors="replace").strip().splitlines()[-2:] if console.exists() else []
+            if last:  # a guest that died says why on its console (a panic, a missing root disk)
+                detail += f" (guest console: {' | '.join(line.strip() for line in last)})"
             if isinstance(exc, StrataError):
                 raise VmmError(f"{exc}{detail}; VM killed") from None
             raise
