@@ -234,11 +234,8 @@ def summarize(results: list[RunResult]) -> dict[str, RunResult]:
     return out
 
 
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def table(summary: dict[str, RunResult]) -> str:
+    import ingest  # fmt (lazy, like measure(): the --child GC process stays lean)
     base = summary.get("baseline")
     floor = base.maxrss_bytes if base and base.status == "ok" else None
     lst = summary.get("list")
@@ -256,12 +253,12 @@ def table(summary: dict[str, RunResult]) -> str:
             continue
         over = (r.maxrss_bytes - floor) / MiB if r.maxrss_bytes is not None and floor is not None else None
         vs = r.gc_s / list_s if run.startswith("gc") and r.gc_s and list_s else None
-        rows.append([run, _f(r.wall_s, ".2f"), "-" if r.wall_spread is None else f"{r.wall_spread * 100:.0f}%",
-                     _f(r.gc_s, ".2f"), _f(r.cpu_s, ".2f"), _f(r.scanned, ".0f"), _f(r.marked, ".0f"),
-                     _f(r.candidates, ".0f"), _f(r.deleted, ".0f"),
-                     _f(r.freed_bytes / MiB if r.freed_bytes is not None else None, ".1f"),
-                     _f(r.maxrss_bytes / MiB if r.maxrss_bytes else None, ".0f"),
-                     _f(over, ".0f") if run != "baseline" else "-", _f(r.chunks_per_s, ".0f"),
+        rows.append([run, ingest.fmt(r.wall_s, ".2f"), "-" if r.wall_spread is None else f"{r.wall_spread * 100:.0f}%",
+                     ingest.fmt(r.gc_s, ".2f"), ingest.fmt(r.cpu_s, ".2f"), ingest.fmt(r.scanned, ".0f"), ingest.fmt(r.marked, ".0f"),
+                     ingest.fmt(r.candidates, ".0f"), ingest.fmt(r.deleted, ".0f"),
+                     ingest.fmt(r.freed_bytes / MiB if r.freed_bytes is not None else None, ".1f"),
+                     ingest.fmt(r.maxrss_bytes / MiB if r.maxrss_bytes else None, ".0f"),
+                     ingest.fmt(over, ".0f") if run != "baseline" else "-", ingest.fmt(r.chunks_per_s, ".0f"),
                      "-" if vs is None else f"{vs:.2f}x"])
     full = [r for r in rows if len(r) == len(head)]
     widths = [max(len(r[i]) for r in full) for i in range(len(head))]

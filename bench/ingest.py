@@ -26,6 +26,7 @@ Only the Python standard library is needed; the Strata row is reported as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mkimage  # noqa: E402  (bench/ is not a package; see sys.path above)
@@ -515,21 +516,25 @@ def _read_step(tool: Tool, d: Path, repeat: int) -> StepResult:
 NUMERIC = ("wall_s", "cpu_s", "sync_s", "maxrss_bytes", "stored_bytes", "growth_bytes")
 
 
-def summarize(results: list[StepResult]) -> dict[tuple[str, str], StepResult]:
-    """Median of each number over repeats; a step counts only if all repeats ran ok."""
-    grouped: dict[tuple[str, str], list[StepResult]] = {}
+def summarize(results: list[Any], numeric: tuple[str, ...] = NUMERIC) -> dict[tuple[str, str], Any]:
+    """Median of each `numeric` field over repeats; a step counts only if all repeats ran ok.
+
+    Works for any step-result dataclass with tool, step, repeat, status,
+    verified, wall_s and wall_spread (bench/transfer.py uses it too); the
+    other fields are taken from the first repeat.
+    """
+    grouped: dict[tuple[str, str], list[Any]] = {}
     for r in results:
         grouped.setdefault((r.tool, r.step), []).append(r)
-    summary: dict[tuple[str, str], StepResult] = {}
+    summary: dict[tuple[str, str], Any] = {}
     for key, rs in grouped.items():
         bad = [r for r in rs if r.status != "ok"]
         if bad:
             summary[key] = bad[0]
             continue
-        med = StepResult(key[0], key[1], -1, command=rs[0].command,
-                         logical_bytes=rs[0].logical_bytes, tool_json=rs[0].tool_json,
-                         verified=all(r.verified for r in rs) if rs[0].verified is not None else None)
-        for f in NUMERIC:
+        med = dataclasses.replace(rs[0], repeat=-1, wall_spread=None,
+                                  verified=all(r.verified for r in rs) if rs[0].verified is not None else None)
+        for f in numeric:
             vals = [getattr(r, f) for r in rs if getattr(r, f) is not None]
             if vals:
                 setattr(med, f, statistics.median(vals))
@@ -540,10 +545,20 @@ def summarize(results: list[StepResult]) -> dict[tuple[str, str], StepResult]:
     return summary
 
 
-def ratios(summary: dict[tuple[str, str], StepResult], tools: list[str]) -> list[dict[str, Any]]:
-    """peer/strata ratios for time, peak RSS and stored bytes (>1 = peer uses more)."""
+def _ingest_metrics(step: str) -> dict[str, str]:
+    metrics = {"time": "wall_s", "rss": "maxrss_bytes",
+               "stored": "growth_bytes" if step == "ingest_v2" else "stored_bytes"}
+    if step == "read_v1":
+        del metrics["stored"]
+    return metrics
+
+
+def ratios(summary: dict[tuple[str, str], Any], tools: list[str], *,
+           steps: tuple[str, ...] = STEPS,
+           metrics: Callable[[str], dict[str, str]] = _ingest_metrics) -> list[dict[str, Any]]:
+    """peer/strata ratios of each step's `metrics` (label -> field; >1 = the peer takes or uses more)."""
     out: list[dict[str, Any]] = []
-    for step in STEPS:
+    for step in steps:
         base = summary.get(("strata", step))
         if not base or base.status != "ok":
             continue
@@ -551,11 +566,7 @@ def ratios(summary: dict[tuple[str, str], StepResult], tools: list[str]) -> list
             peer = summary.get((tool, step))
             if tool == "strata" or not peer or peer.status != "ok":
                 continue
-            metrics = {"time": "wall_s", "rss": "maxrss_bytes",
-                       "stored": "growth_bytes" if step == "ingest_v2" else "stored_bytes"}
-            if step == "read_v1":
-                del metrics["stored"]
-            for label, f in metrics.items():
+            for label, f in metrics(step).items():
                 a, b = getattr(peer, f), getattr(base, f)
                 if a is not None and b:
                     out.append({"tool": tool, "step": step, "metric": label, "ratio": a / b})
@@ -568,11 +579,11 @@ def _last_line(text: str | None, limit: int = 100) -> str:
     return lines[-1][:limit] if lines else ""
 
 
-def _fmt_mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / MiB:.1f}"
+def fmt_mib(n: float | None, spec: str = ".1f") -> str:
+    return "-" if n is None else format(n / MiB, spec)
 
 
-def _fmt(x: float | None, spec: str) -> str:
+def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -595,14 +606,14 @@ def table(summary: dict[tuple[str, str], StepResult], tools: list[str],
                             if r.stored_bytes is not None and r.logical_bytes and step == "ingest_v1" else None)
             tr = time_ratio.get((tool, step))
             spread = "-" if r.wall_spread is None else f"{r.wall_spread * 100:.0f}%"
-            rows.append([tool, step, _fmt(r.wall_s, ".2f"), spread, _fmt(r.mib_s, ".0f"), _fmt(r.cpu_s, ".2f"),
-                         _fmt(r.sync_s, ".2f"), _fmt_mib(r.maxrss_bytes), _fmt_mib(r.stored_bytes),
-                         _fmt_mib(r.growth_bytes), _fmt(stored_ratio, ".3f"),
+            rows.append([tool, step, fmt(r.wall_s, ".2f"), spread, fmt(r.mib_s, ".0f"), fmt(r.cpu_s, ".2f"),
+                         fmt(r.sync_s, ".2f"), fmt_mib(r.maxrss_bytes), fmt_mib(r.stored_bytes),
+                         fmt_mib(r.growth_bytes), fmt(stored_ratio, ".3f"),
                          "-" if tr is None else f"{tr:.2f}x"])
-    return _align(rows)
+    return align(rows)
 
 
-def _align(rows: list[list[str]]) -> str:
+def align(rows: list[list[str]]) -> str:
     """Left-align tool/step, right-align numbers; short rows are status messages."""
     full = [r for r in rows if len(r) == len(rows[0])]
     widths = [max(len(r[i]) for r in full) for i in range(len(rows[0]))]

@@ -42,7 +42,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -382,55 +381,6 @@ NUMERIC = ("wall_s", "cpu_s", "sync_s", "maxrss_bytes", "delta_bytes", "delta_ob
            "tool_bytes", "tool_chunks", "tool_s")
 
 
-def summarize(results: list[StepResult]) -> dict[tuple[str, str], StepResult]:
-    """Median of each number over repeats; a step counts only if every repeat ran ok."""
-    grouped: dict[tuple[str, str], list[StepResult]] = {}
-    for r in results:
-        grouped.setdefault((r.tool, r.step), []).append(r)
-    summary: dict[tuple[str, str], StepResult] = {}
-    for key, rs in grouped.items():
-        bad = [r for r in rs if r.status != "ok"]
-        if bad:
-            summary[key] = bad[0]
-            continue
-        med = StepResult(key[0], key[1], -1, command=rs[0].command,
-                         verified=all(r.verified for r in rs) if rs[0].verified is not None else None)
-        for f in NUMERIC:
-            vals = [getattr(r, f) for r in rs if getattr(r, f) is not None]
-            if vals:
-                setattr(med, f, statistics.median(vals))
-        walls = [r.wall_s for r in rs if r.wall_s is not None]
-        if len(walls) > 1 and med.wall_s:
-            med.wall_spread = (max(walls) - min(walls)) / med.wall_s
-        summary[key] = med
-    return summary
-
-
-def ratios(summary: dict[tuple[str, str], StepResult], tools: list[str]) -> list[dict[str, Any]]:
-    """peer / strata for time and bytes sent (>1 = the peer is slower / sends more)."""
-    out = []
-    for step in STEPS:
-        base = summary.get(("strata", step))
-        if not base or base.status != "ok":
-            continue
-        for tool in tools:
-            peer = summary.get((tool, step))
-            if tool == "strata" or not peer or peer.status != "ok":
-                continue
-            for label, a, b in (("time", peer.wall_s, base.wall_s), ("bytes", peer.bytes_sent, base.bytes_sent)):
-                if a is not None and b:
-                    out.append({"tool": tool, "step": step, "metric": label, "ratio": a / b})
-    return out
-
-
-def _mib(n: float | None, spec: str = ".1f") -> str:
-    return "-" if n is None else format(n / MiB, spec)
-
-
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def table(summary: dict[tuple[str, str], StepResult], tools: list[str], rat: list[dict[str, Any]]) -> str:
     rr = {(r["tool"], r["step"], r["metric"]): r["ratio"] for r in rat}
     head = ["step", "tool", "time s", "spread", "tool s", "cpu s", "sync s", "peak RSS MiB",
@@ -447,25 +397,13 @@ def table(summary: dict[tuple[str, str], StepResult], tools: list[str], rat: lis
                 continue
             tr, br = rr.get((tool, step, "time")), rr.get((tool, step, "bytes"))
             objs = r.tool_chunks if r.tool_chunks is not None else r.delta_objects
-            rows.append([step, tool, _f(r.wall_s, ".2f"),
+            rows.append([step, tool, ingest.fmt(r.wall_s, ".2f"),
                          "-" if r.wall_spread is None else f"{r.wall_spread * 100:.0f}%",
-                         _f(r.tool_s, ".2f"), _f(r.cpu_s, ".2f"), _f(r.sync_s, ".2f"), _mib(r.maxrss_bytes, ".0f"),
-                         _mib(r.bytes_sent), _mib(r.delta_bytes), _f(objs, ".0f"),
+                         ingest.fmt(r.tool_s, ".2f"), ingest.fmt(r.cpu_s, ".2f"), ingest.fmt(r.sync_s, ".2f"), ingest.fmt_mib(r.maxrss_bytes, ".0f"),
+                         ingest.fmt_mib(r.bytes_sent), ingest.fmt_mib(r.delta_bytes), ingest.fmt(objs, ".0f"),
                          {None: "-", True: "yes", False: "NO"}[r.verified],
                          "-" if tr is None else f"{tr:.2f}x", "-" if br is None else f"{br:.2f}x"])
-    return align(rows)
-
-
-def align(rows: list[list[str]]) -> str:
-    """Left-align the first two columns, right-align numbers; short rows are status messages."""
-    full = [r for r in rows if len(r) == len(rows[0])]
-    widths = [max(len(r[i]) for r in full) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [f"{c:<{widths[i]}}" if i < 2 else f"{c:>{widths[i]}}" for i, c in enumerate(r)]
-        lines.append("  ".join(cells if len(r) == len(rows[0]) else cells[:2] + [r[2]]).rstrip())
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return ingest.align(rows)
 
 
 # --------------------------------------------------------------------------
@@ -564,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(run, ignore_errors=True)
 
-    summary = summarize(results)
-    rat = ratios(summary, names)
+    summary = ingest.summarize(results, NUMERIC)
+    rat = ingest.ratios(summary, names, steps=STEPS, metrics=lambda _step: {"time": "wall_s", "bytes": "bytes_sent"})
     v2_import = prep.get("strata_import", {}).get("v2", {})
     print()
     print(f"image: {v1} ({size / MiB:.0f} MiB logical, {images['v1_allocated_bytes'] / MiB:.0f} MiB allocated); "
