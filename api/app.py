@@ -39,10 +39,13 @@ from starlette.exceptions import HTTPException
 from layerstore.errors import (AccessDenied, BackendUnavailable, Conflict, InvalidInput, MissingChunk, NotFound,
                                StrataError)
 from layerstore.chunk import chunk_key
+from layerstore.config import parse_duration
+from layerstore.gc import GcReport, collect
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
 from layerstore.store import inspect_image
 from layerstore.templates import new_template
+from layerstore.transfer import TransferResult, copy
 from vmm.registry import SandboxRecord
 
 from . import models as m
@@ -501,12 +504,9 @@ def create_app(node: Node) -> FastAPI:
         with remote_lock, open_store(config.remote, env={**os.environ, **config.env()}) as remote:
             yield remote
 
-    @app.post("/admin/gc", response_model=m.GcReport, dependencies=admin, tags=["admin"],
+    @app.post("/admin/gc", response_model=GcReport, dependencies=admin, tags=["admin"],
               summary="Garbage-collect this node's store or its remote (grace period, two phases, leases)")
     def run_gc(body: m.GcRequest) -> dict:
-        from layerstore.config import parse_duration
-        from layerstore.gc import collect
-
         try:
             grace = parse_duration(body.grace)
         except ValueError as exc:
@@ -516,19 +516,15 @@ def create_app(node: Node) -> FastAPI:
                 return collect(remote, grace=grace, dry_run=body.dryRun).as_dict()
         return collect(node.store, grace=grace, dry_run=body.dryRun, extra_roots=node.gc_roots()).as_dict()
 
-    @app.post("/admin/push", response_model=m.TransferReport, dependencies=admin, tags=["admin"],
+    @app.post("/admin/push", response_model=TransferResult, dependencies=admin, tags=["admin"],
               summary="Copy an image, snapshot or template (and all it needs) to the node's remote store")
     def push(body: m.TransferRequest) -> dict:
-        from layerstore.transfer import copy
-
         with _remote() as remote:
             return copy(node.store, remote, body.name).as_dict()
 
-    @app.post("/admin/pull", response_model=m.TransferReport, dependencies=admin, tags=["admin"],
+    @app.post("/admin/pull", response_model=TransferResult, dependencies=admin, tags=["admin"],
               summary="Fetch an image, snapshot or template from the node's remote store")
     def pull(body: m.TransferRequest) -> dict:
-        from layerstore.transfer import copy
-
         if not body.full and node.store.remote is None:
             raise Conflict("a lazy pull needs the node to read chunks from its remote (config `remote`)")
         with _remote() as remote:

@@ -225,30 +225,6 @@ class GcRequest(BaseModel):
     target: Literal["local", "remote"] = Field("local", description="this node's store, or its remote")
 
 
-class GcReport(BaseModel):
-    scanned: int
-    marked: int
-    candidates: int
-    deletable: int
-    deleted: int
-    freed_bytes: int
-    retained: int
-    postponed: str
-    missing: list[str]
-    dry_run: bool
-    seconds: float
-
-
 class TransferRequest(BaseModel):
     name: str = Field(description="NAME:TAG, a snapshot id or a template name")
     full: bool = Field(True, description="pull: copy every chunk (false: manifests only, chunks read from the remote)")
-
-
-class TransferReport(BaseModel):
-    name: str
-    chunks_total: int
-    chunks_sent: int
-    bytes_sent: int
-    manifests_sent: int
-    snapshots_sent: int
-    seconds: float

@@ -53,7 +53,7 @@ class Plan:
 
 
 @dataclass
-class Report:
+class GcReport:
     scanned: int
     marked: int
     candidates: int
@@ -131,7 +131,7 @@ def collect(
     extra_roots: Iterable[Name] = (),
     now: float | None = None,
     progress: Callable[[int], None] | None = None,
-) -> Report:
+) -> GcReport:
     """Run one GC: plan, then (unless `dry_run`) record candidates and delete what may go."""
     started = time.monotonic()
     extra = list(extra_roots)
@@ -175,6 +175,6 @@ def collect(
                     store.backend.delete(info.key)
         finally:
             lock.release()
-    return Report(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
+    return GcReport(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
                   deletable=len(p.deletable), deleted=deleted, freed_bytes=freed, retained=len(p.young), postponed=postponed,
                   missing=p.missing, dry_run=dry_run, seconds=time.monotonic() - started)
