@@ -85,6 +85,7 @@ from layerstore.errors import StrataError
 from .accel import Accel, detect
 from .agent import Agent, AgentError
 from .backend import VmmError, VmSpec
+from .process import kill_group, owns, wait_gone
 
 log = logging.getLogger("strata.vmm")
 
@@ -465,35 +466,6 @@ class SerialAgent(Agent):
 # --- VMs and the backend ---------------------------------------------------------
 
 
-def _alive(pid: int, marker: str) -> bool:
-    """True if `pid` is still the Firecracker whose argv holds `marker` (its
-    API socket path), not a recycled pid or a zombie."""
-    try:
-        return marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _exited(pid: int) -> bool:
-    """True once every thread of `pid` is a zombie or gone. After a kill,
-    `_alive` turning False is not enough: the cmdline empties while the
-    process is still exiting and holding its files, and a thread-group leader
-    shows "Z" while its other threads (vCPUs, API) still run. A killed pid
-    is not reused before it is reaped."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    for tid in tids:
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        if stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"]):
-            return False
-    return True
-
-
 def _cleanup(workdir: Path) -> None:
     for name in (API_SOCK, SERIAL_IN, SERIAL_OUT, DISK_LINK, AGENT_LOCK):
         try:
@@ -530,7 +502,7 @@ class FirecrackerVm:
     def alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
-        return _alive(self.pid, str(self.api.socket_path))
+        return owns(self.pid, str(self.api.socket_path))
 
     def status(self) -> str:
         """"running", "paused" or "not-started" (Firecracker's GET /), "exited" once gone."""
@@ -558,20 +530,6 @@ class FirecrackerVm:
                                           "mem_file_path": os.path.abspath(memory)},
                      timeout=self.snapshot_timeout)
 
-    def _wait_gone(self, timeout: float) -> bool:
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return False
-            return True
-        deadline = time.monotonic() + timeout
-        while not _exited(self.pid):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return True
-
     def kill(self) -> None:
         """SIGTERM, a short grace, then SIGKILL to the process group.
 
@@ -585,7 +543,7 @@ class FirecrackerVm:
                     os.killpg(self.pid, sig)
                 except ProcessLookupError:
                     break
-                if self._wait_gone(wait):
+                if wait_gone(self.pid, wait, proc=self.proc):
                     break
         elif self.proc is not None:
             self.proc.poll()  # reap
@@ -781,7 +739,7 @@ class FirecrackerBackend:
     def is_running(self, workdir: Path) -> bool:
         """Whether the VM recorded in `workdir` still runs (no API or agent needed)."""
         recorded = self._recorded(workdir)
-        return recorded is not None and _alive(recorded[0], recorded[1])
+        return recorded is not None and owns(recorded[0], recorded[1])
 
     def attach(self, workdir: Path, *, timeout: float = 5.0) -> FirecrackerVm:
         """Take control of a VM started earlier, maybe by another process.
@@ -794,7 +752,7 @@ class FirecrackerBackend:
         if recorded is None:
             raise VmmError(f"no VM recorded in {workdir}")
         pid, sock, info = recorded
-        if not _alive(pid, sock):
+        if not owns(pid, sock):
             raise VmmError(f"the VM (pid {pid}) is no longer running")
         api = FirecrackerApi(Path(sock), timeout=max(timeout, 30.0))
         api.get("/", timeout=timeout)
@@ -811,13 +769,6 @@ class FirecrackerBackend:
     def destroy(self, workdir: Path) -> None:
         """SIGKILL the VM recorded in `workdir` (no API or agent needed)."""
         recorded = self._recorded(workdir)
-        if recorded is not None and _alive(recorded[0], recorded[1]):
-            pid, sock, _info = recorded
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            deadline = time.monotonic() + 10
-            while not _exited(pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
+        if recorded is not None and owns(recorded[0], recorded[1]):
+            kill_group(recorded[0])
         _cleanup(workdir)

@@ -35,18 +35,16 @@ from layerstore.errors import StrataError
 from .accel import Accel, detect
 from .agent import Agent
 from .backend import VmmError, VmSpec
+from .process import kill_group, owns, wait_gone
 from .qmp import QMP, QMPError
 
 log = logging.getLogger("strata.vmm")
 QEMU_BINARY = "qemu-system-x86_64"
 
 
-def _alive(pid: int, workdir: Path) -> bool:
-    """True if `pid` is still the QEMU of `workdir` (not a recycled pid)."""
-    try:
-        return str(workdir / "qmp.sock").encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+def _owns(pid: int, workdir: Path) -> bool:
+    """True if `pid` is still the QEMU of `workdir` (its argv names the QMP socket)."""
+    return owns(pid, str(workdir / "qmp.sock"))
 
 
 class QemuVm:
@@ -65,7 +63,7 @@ class QemuVm:
     def alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
-        return _alive(self.pid, self.workdir)
+        return _owns(self.pid, self.workdir)
 
     def status(self) -> str:
         return str(self.qmp.execute("query-status")["status"])
@@ -95,32 +93,14 @@ class QemuVm:
             time.sleep(0.01)
         raise VmmError("saving VM state did not finish within 300 s")
 
-    def _wait_gone(self, timeout: float) -> bool:
-        if self.proc is not None:
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return False
-            return True
-        deadline = time.monotonic() + timeout
-        while _alive(self.pid, self.workdir):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return True
-
     def kill(self) -> None:
         if self.alive():
             try:
                 self.qmp.execute("quit", timeout=5)
             except (QMPError, OSError):
                 pass
-            if not self._wait_gone(5):
-                try:
-                    os.killpg(self.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self._wait_gone(10)
+            if not wait_gone(self.pid, 5, proc=self.proc):
+                kill_group(self.pid, proc=self.proc)
         self.qmp.close()
         self.agent.close()
 
@@ -238,7 +218,7 @@ class QemuBackend:
         except (OSError, ValueError):
             raise VmmError(f"no VM recorded in {workdir}") from None
         pid = int(info["pid"])
-        if not _alive(pid, workdir):
+        if not _owns(pid, workdir):
             raise VmmError(f"the VM (pid {pid}) is no longer running")
         try:
             qmp = QMP(workdir / "qmp.sock", timeout=timeout)
@@ -255,15 +235,9 @@ class QemuBackend:
 
     def is_running(self, workdir: Path) -> bool:
         pid = self._recorded_pid(workdir)
-        return pid is not None and _alive(pid, workdir)
+        return pid is not None and _owns(pid, workdir)
 
     def destroy(self, workdir: Path) -> None:
         pid = self._recorded_pid(workdir)
-        if pid is not None and _alive(pid, workdir):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                return
-            deadline = time.monotonic() + 10
-            while _alive(pid, workdir) and time.monotonic() < deadline:
-                time.sleep(0.02)
+        if pid is not None and _owns(pid, workdir):
+            kill_group(pid)
