@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import boto3
 import pytest
@@ -26,6 +26,9 @@ from layerstore.store import Store
 from layerstore.localdir import LocalDirBackend
 from layerstore.s3 import S3Backend, S3Config
 from tests.seaweedfs_server import SeaweedFS, find_weed
+
+if TYPE_CHECKING:
+    from vmm.backend import VmSpec
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,3 +163,26 @@ def guest() -> Path:
     if result.returncode != 0:
         pytest.fail(f"guest build failed: {result.stderr[-2000:]}")
     return GUEST_DIR
+
+
+@pytest.fixture
+def served_disk(tmp_path: Path, guest: Path) -> Iterator[tuple[object, Path]]:
+    """The guest rootfs imported into a store and served as a sandbox disk through FUSE."""
+    from tests.test_fusefs_mount import Mount
+
+    m = Mount(tmp_path, cache_size="256M")
+    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    m.start()
+    m.strata("layer", "new", "vm1", "--image", "guest:v1", "--mount", str(m.mnt))
+    try:
+        yield m, m.mnt / "sandboxes" / "vm1" / "disk.img"
+    finally:
+        m.stop()
+
+
+def guest_spec(guest: Path, disk: Path, work: Path, **kw: object) -> "VmSpec":
+    """A VmSpec booting the built guest's kernel and initramfs on `disk`."""
+    from vmm.backend import VmSpec
+
+    return VmSpec(kernel=guest / "vmlinuz", initrd=guest / "initramfs.cpio.gz", disk=disk, workdir=work,
+                  **kw)  # type: ignore[arg-type]

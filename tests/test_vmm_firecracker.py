@@ -37,10 +37,11 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
+from tests.conftest import guest_spec
 from vmm.accel import Accel, detect
 from vmm.backend import DEFAULT_CMDLINE, VmSpec
 from vmm.firecracker import (
@@ -50,9 +51,8 @@ from vmm.firecracker import (
     extract_vmlinux,
     firecracker_boot_args,
 )
-from vmm.qemu import VmmError
+from vmm.backend import VmmError
 
-GUEST_DIR = Path(os.environ.get("STRATA_GUEST_DIR", "/var/tmp/strata-guest"))
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_KVM = Accel("kvm", "fake firecracker in a test: no KVM used")
 
@@ -244,16 +244,6 @@ def fake_firecracker_main(argv: list[str]) -> None:
 
 
 # --- fixtures ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def guest() -> Path:
-    """The guest kernel, initramfs and rootfs, built once (cached between runs)."""
-    result = subprocess.run(["bash", str(ROOT / "vmm/guest/build.sh"), str(GUEST_DIR)], capture_output=True,
-                            text=True, timeout=900)
-    if result.returncode != 0:
-        pytest.fail(f"guest build failed: {result.stderr[-2000:]}")
-    return GUEST_DIR
 
 
 @pytest.fixture
@@ -597,30 +587,11 @@ def test_missing_restore_inputs_are_refused(tmp_path: Path, fake_binary: Path, f
 # --- real Firecracker (skipped without the binary and a usable KVM) -----------------
 
 
-@pytest.fixture
-def served_disk(tmp_path: Path, guest: Path) -> Iterator[tuple[Any, Path]]:
-    """The guest rootfs imported into a store and served as a sandbox disk through FUSE."""
-    from tests.test_fusefs_mount import Mount
-
-    m = Mount(tmp_path, cache_size="256M")
-    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
-    m.start()
-    m.strata("layer", "new", "vm1", "--image", "guest:v1", "--mount", str(m.mnt))
-    try:
-        yield m, m.mnt / "sandboxes" / "vm1" / "disk.img"
-    finally:
-        m.stop()
-
-
-def real_spec(guest: Path, disk: Path, work: Path, **kw: Any) -> VmSpec:
-    return VmSpec(kernel=guest / "vmlinuz", initrd=guest / "initramfs.cpio.gz", disk=disk, workdir=work, **kw)
-
-
 @needs_firecracker
 def test_real_boot_from_fuse_disk_run_pause_resume(served_disk: tuple[Any, Path], guest: Path, tmp_path: Path) -> None:
     mount, disk = served_disk
     backend = FirecrackerBackend(kernel_cache=tmp_path / "kcache")
-    vm = backend.start(real_spec(guest, disk, tmp_path / "vm"), ready_timeout=120)
+    vm = backend.start(guest_spec(guest, disk, tmp_path / "vm"), ready_timeout=120)
     try:
         r = vm.agent.run("echo hello from $(uname -r); cat /proc/mounts | grep ' / '; cat /proc/cmdline")
         assert r.exit_code == 0 and "hello from" in r.output and "/dev/vda" in r.output, r.output
@@ -643,7 +614,7 @@ def test_real_save_and_restore_with_memory_file(served_disk: tuple[Any, Path], g
     _mount, disk = served_disk
     backend = FirecrackerBackend(kernel_cache=tmp_path / "kcache")
     work = tmp_path / "vm"
-    vm = backend.start(real_spec(guest, disk, work, memory_file=work / "ram"), ready_timeout=120)
+    vm = backend.start(guest_spec(guest, disk, work, memory_file=work / "ram"), ready_timeout=120)
     state = tmp_path / "vm.state"
     try:
         vm.agent.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 &")
@@ -656,7 +627,7 @@ def test_real_save_and_restore_with_memory_file(served_disk: tuple[Any, Path], g
     shutil.move(work / "ram", memory)
     memory.chmod(0o444)
     assert state.stat().st_size > 0 and memory.stat().st_size == 256 << 20
-    restored = backend.start(real_spec(guest, disk, tmp_path / "vm2", incoming=state, memory_file=memory,
+    restored = backend.start(guest_spec(guest, disk, tmp_path / "vm2", incoming=state, memory_file=memory,
                                        memory_shared=False), ready_timeout=120)
     try:
         first = int(restored.agent.run("cat /tmp/counter").output)

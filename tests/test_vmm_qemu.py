@@ -15,29 +15,11 @@ from typing import Callable, Iterator
 import pytest
 
 from layerstore.store import Store, open_store
-from tests.conftest import needs_qemu
+from tests.conftest import guest_spec, needs_qemu
 from tests.test_fusefs_mount import Mount
 from vmm.accel import detect
-from vmm.backend import VmSpec
 from vmm.qemu import QemuBackend, VmmError
 from vmm.sandbox import Sandboxes
-
-@pytest.fixture
-def served_disk(tmp_path: Path, guest: Path) -> Iterator[tuple[Mount, Path]]:
-    """The guest rootfs imported into a store and served as a sandbox disk through FUSE."""
-    m = Mount(tmp_path, cache_size="256M")
-    m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
-    m.start()
-    m.strata("layer", "new", "vm1", "--image", "guest:v1", "--mount", str(m.mnt))
-    try:
-        yield m, m.mnt / "sandboxes" / "vm1" / "disk.img"
-    finally:
-        m.stop()
-
-
-def spec(guest: Path, disk: Path, work: Path, **kw) -> VmSpec:  # noqa: ANN003
-    return VmSpec(kernel=guest / "vmlinuz", initrd=guest / "initramfs.cpio.gz", disk=disk, workdir=work, **kw)
-
 
 def test_accel_detection_refuses_pvm_kvm(tmp_path: Path) -> None:
     dev = tmp_path / "kvm"
@@ -53,7 +35,7 @@ def test_accel_detection_refuses_pvm_kvm(tmp_path: Path) -> None:
 def test_boot_from_fuse_disk_run_pause_resume(served_disk: tuple[Mount, Path], guest: Path, tmp_path: Path) -> None:
     mount, disk = served_disk
     backend = QemuBackend(accel=detect())
-    vm = backend.start(spec(guest, disk, tmp_path / "vm"), ready_timeout=180)
+    vm = backend.start(guest_spec(guest, disk, tmp_path / "vm"), ready_timeout=180)
     try:
         r = vm.agent.run("echo hello from $(uname -r); cat /proc/mounts | grep ' / '")
         assert r.exit_code == 0 and "hello from" in r.output and "/dev/vda" in r.output, r.output
@@ -76,7 +58,7 @@ def test_boot_from_fuse_disk_run_pause_resume(served_disk: tuple[Mount, Path], g
 def test_save_and_restore_state(served_disk: tuple[Mount, Path], guest: Path, tmp_path: Path) -> None:
     _mount, disk = served_disk
     backend = QemuBackend(accel=detect())
-    vm = backend.start(spec(guest, disk, tmp_path / "vm"), ready_timeout=180)
+    vm = backend.start(guest_spec(guest, disk, tmp_path / "vm"), ready_timeout=180)
     state = tmp_path / "vm.state"
     try:
         vm.agent.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 &")
@@ -86,7 +68,7 @@ def test_save_and_restore_state(served_disk: tuple[Mount, Path], guest: Path, tm
     finally:
         vm.kill()
     assert state.stat().st_size > 0
-    restored = backend.start(spec(guest, disk, tmp_path / "vm2", incoming=state), ready_timeout=120)
+    restored = backend.start(guest_spec(guest, disk, tmp_path / "vm2", incoming=state), ready_timeout=120)
     try:
         first = int(restored.agent.run("cat /tmp/counter").output)
         time.sleep(0.5)
@@ -99,14 +81,14 @@ def test_save_and_restore_state(served_disk: tuple[Mount, Path], guest: Path, tm
 @needs_qemu
 def test_missing_binary_and_silent_guest_fail_cleanly(guest: Path, tmp_path: Path) -> None:
     with pytest.raises(VmmError, match="not found"):
-        QemuBackend(binary="/nonexistent/qemu", accel=detect()).start(spec(guest, guest / "rootfs.ext4", tmp_path / "a"))
+        QemuBackend(binary="/nonexistent/qemu", accel=detect()).start(guest_spec(guest, guest / "rootfs.ext4", tmp_path / "a"))
     # a kernel command line that panics at once: the agent never answers
     silent = tmp_path / "disk.img"
     shutil.copy(guest / "rootfs.ext4", silent)
     backend = QemuBackend(accel=detect())
     started = time.monotonic()
     with pytest.raises(VmmError, match="did not answer|exited"):
-        backend.start(spec(guest, silent, tmp_path / "b", cmdline="console=ttyS0 init=/nonexistent rdinit=/nonexistent panic=-1"),
+        backend.start(guest_spec(guest, silent, tmp_path / "b", cmdline="console=ttyS0 init=/nonexistent rdinit=/nonexistent panic=-1"),
                       ready_timeout=15)
     assert time.monotonic() - started < 60
     out = subprocess.run(["pgrep", "-f", str(tmp_path / "b")], capture_output=True, text=True)
