@@ -677,6 +677,15 @@ def meta(args: argparse.Namespace, tools: list[Tool]) -> dict[str, Any]:
     }
 
 
+def tool_names(text: str, known: Any) -> list[str]:
+    """The --tools list, or exit naming the unknown ones (shared by the benchmarks)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"unknown tool(s): {unknown}")
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Strata ingest benchmark vs restic/borg/casync.")
     p.add_argument("--size", default="1G", help="image size (default 1G); e.g. 256M for a quick try")
@@ -703,10 +712,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     size = mkimage.parse_size(args.size)
-    names = [n.strip() for n in args.tools.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TOOLS]
-    if unknown:
-        sys.exit(f"unknown tool(s): {unknown}")
+    names = tool_names(args.tools, TOOLS)
     args.workdir.mkdir(parents=True, exist_ok=True)
     images = prepare_images(args.workdir, size, args.seed, args.change_pct, args.regen)
     v1, v2 = Path(images["v1"]), Path(images["v2"])

