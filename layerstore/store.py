@@ -135,12 +135,12 @@ class Store:
         return {d for k, d in wanted.items() if k not in present}
 
     def missing_chunks(self, digests: Iterable[str]) -> set[str]:
-        """The digests among `digests` whose objects the backend lacks (one batch)."""
-        wanted = {chunk_key(d): d for d in digests}
-        present = self.backend.has_many(wanted)
-        if self.remote is not None and len(present) < len(wanted):
-            present |= self.remote.has_many([k for k in wanted if k not in present])
-        return {d for k, d in wanted.items() if k not in present}
+        """The digests among `digests` that neither this store nor its remote holds (one batch each)."""
+        missing = self.local_missing_chunks(digests)
+        if self.remote is not None and missing:
+            present = self.remote.has_many([chunk_key(d) for d in missing])
+            missing = {d for d in missing if chunk_key(d) not in present}
+        return missing
 
     # manifests ----------------------------------------------------------------
     def get_layer(self, manifest_id: str) -> Layer:
