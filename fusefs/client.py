@@ -73,6 +73,13 @@ def call(
     return reply
 
 
+def sandbox_layers(mountpoint: str | os.PathLike[str], *, env: dict[str, str] | None = None) -> list[str]:
+    """Manifest ids the mount's sandbox disks (and RAM) sit on: their base and
+    every layer sealed since. GC must keep them even when no ref names them."""
+    rows = call(mountpoint, {"op": "sandbox_list"}, timeout=30, env=env)["sandboxes"]
+    return [m for r in rows for m in [r["base"], *r["layers"]]]
+
+
 def _strata_mounts() -> set[str]:
     """Mount points of Strata FUSE filesystems (fstype fuse.strata) in this namespace."""
     found = set()

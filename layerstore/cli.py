@@ -241,7 +241,7 @@ def cmd_pull(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
 def _mount_roots(store: Store, env: dict[str, str]) -> list:
     """Layers running sandboxes sit on (sealed but not yet in any snapshot),
     asked of the node's mount if it serves this store: GC must keep them."""
-    from fusefs.client import DaemonError, call
+    from fusefs.client import DaemonError, call, sandbox_layers
 
     from .reach import Name
     from .store import state_dir
@@ -250,10 +250,9 @@ def _mount_roots(store: Store, env: dict[str, str]) -> list:
     try:
         if call(mount, {"op": "ping"}, timeout=5, env=env)["store"] != store.describe():
             return []
-        rows = call(mount, {"op": "sandbox_list"}, timeout=30, env=env)["sandboxes"]
+        return [Name("layer", m) for m in sandbox_layers(mount, env=env)]
     except DaemonError:
         return []
-    return [Name("layer", m) for r in rows for m in [r["base"], *r["layers"]]]
 
 
 def cmd_gc(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:

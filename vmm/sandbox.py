@@ -84,7 +84,7 @@ class Sandboxes:
         self.guest_dir = guest_dir
         self.registry = Registry(work_root)
         self.memory_mib = memory_mib
-        self._env = control_env
+        self.control_env = control_env
         self._vms: dict[str, Vm] = {}
         self._boot_layers: dict[str, str] = {}
         self._locks: dict[str, threading.Lock] = {}
@@ -92,7 +92,7 @@ class Sandboxes:
 
     def control(self, request: dict) -> dict:
         """One request to the mount daemon (sandbox disks, seals, cache)."""
-        return call(self.mount, request, env=self._env)
+        return call(self.mount, request, env=self.control_env)
 
     @contextmanager
     def _locked(self, sid: str) -> Iterator[None]:
@@ -199,25 +199,22 @@ class Sandboxes:
 
     def pause(self, sid: str) -> Sandbox:
         """Stop the vCPUs (memory and disk stay as they are)."""
-        with self._locked(sid):
-            sandbox = self.get(sid)
-            started = time.monotonic()
-            sandbox.vm.pause()
-            sandbox.record.state = "paused"
-            sandbox.record.timings["pause"] = time.monotonic() - started
-            self.registry.save(sandbox.record)
-            return sandbox
+        return self._set_vcpus(sid, "pause", "paused")
 
     def resume(self, sid: str) -> Sandbox:
         """Continue the vCPUs, or wake a sandbox suspended to the store."""
         if self.registry.load(sid).state == "suspended":
             return self.wake(sid)
+        return self._set_vcpus(sid, "resume", "running")
+
+    def _set_vcpus(self, sid: str, action: str, state: str) -> Sandbox:
+        """vm.pause() or vm.resume(), timed, with the new state recorded."""
         with self._locked(sid):
             sandbox = self.get(sid)
             started = time.monotonic()
-            sandbox.vm.resume()
-            sandbox.record.state = "running"
-            sandbox.record.timings["resume"] = time.monotonic() - started
+            getattr(sandbox.vm, action)()
+            sandbox.record.state = state
+            sandbox.record.timings[action] = time.monotonic() - started
             self.registry.save(sandbox.record)
             return sandbox
 
