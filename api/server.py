@@ -20,20 +20,13 @@ log = logging.getLogger("strata.api")
 
 def build_node(config: NodeConfig, env: dict[str, str], out: Output | None = None):  # noqa: ANN201
     """Open the store, make sure the node's mount serves it, and wire a Node."""
-    from layerstore.store import open_store
-    from vmm.backend import open_backend
-    from vmm.cli import ensure_mount
-    from vmm.sandbox import Sandboxes
+    from vmm.cli import open_sandboxes
 
     from .metrics import Metrics
     from .node import Node
 
-    env = {**env, **config.env()}
-    store = open_store(config.store, env=env)
-    ensure_mount(config.mount, config.store, store.describe(), env, out or Output(json_mode=True),
-                 cache_size=config.cache_size)
-    boxes = Sandboxes(store, config.mount, open_backend(config.vmm), guest_dir=config.guest_dir,
-                      work_root=config.state_dir / "sandboxes", memory_mib=config.sandbox_memory, control_env=env)
+    boxes = open_sandboxes(config, env, out or Output(json_mode=True))
+    store = boxes.store
     metrics = Metrics()
     node = Node(config, store, boxes, metrics)
 

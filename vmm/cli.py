@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from layerstore.cli import Output, human_bytes, parse_size
+from layerstore.config import NodeConfig
 from layerstore.errors import InvalidInput, StrataError
 
 from .backend import BACKENDS
@@ -31,14 +32,6 @@ def _state(env: dict[str, str]) -> Path:
     from layerstore.store import state_dir
 
     return state_dir(env)
-
-
-def _mountpoint(args: argparse.Namespace, env: dict[str, str]) -> Path:
-    return Path(args.mount or env.get("STRATA_MOUNT") or _state(env) / "mnt")
-
-
-def _guest_dir(args: argparse.Namespace, env: dict[str, str]) -> Path:
-    return Path(args.guest_dir or env.get("STRATA_GUEST_DIR") or _state(env) / "guest")
 
 
 def ensure_mount(mnt: Path, store_spec: str, wanted: str, env: dict[str, str], out: Output, *,
@@ -59,18 +52,28 @@ def ensure_mount(mnt: Path, store_spec: str, wanted: str, env: dict[str, str], o
         raise InvalidInput(f"{mnt} serves {served}, not {wanted}: pass --mount for another mount point")
 
 
-def open_node(args: argparse.Namespace, env: dict[str, str], out: Output) -> Sandboxes:
+def node_config(args: argparse.Namespace, env: dict[str, str]) -> NodeConfig:
+    """The node's settings (layerstore/config.py), with this command's options on top."""
+    return NodeConfig.load(env, store=getattr(args, "store", None), mount=args.mount, guest_dir=args.guest_dir,
+                           vmm=args.vmm)
+
+
+def open_sandboxes(config: NodeConfig, env: dict[str, str], out: Output) -> Sandboxes:
+    """The node's sandboxes: its store, its mount (started if needed), its VMM
+    backend. `strata sandbox` and `strata serve` assemble a node this one way."""
     from layerstore.store import open_store
 
     from .backend import open_backend
 
-    spec = getattr(args, "store", None) or env.get("STRATA_STORE", "")
-    store = open_store(spec, env=env)
-    mnt = _mountpoint(args, env)
-    ensure_mount(mnt, spec, store.describe(), env, out)
-    backend = open_backend(args.vmm or env.get("STRATA_VMM", "qemu"))
-    return Sandboxes(store, mnt, backend, guest_dir=_guest_dir(args, env), work_root=_state(env) / "sandboxes",
-                     control_env=env)
+    env = {**env, **config.env()}
+    store = open_store(config.store, env=env)
+    ensure_mount(config.mount, config.store, store.describe(), env, out, cache_size=config.cache_size)
+    return Sandboxes(store, config.mount, open_backend(config.vmm), guest_dir=config.guest_dir,
+                     work_root=config.state_dir / "sandboxes", memory_mib=config.sandbox_memory, control_env=env)
+
+
+def open_node(args: argparse.Namespace, env: dict[str, str], out: Output) -> Sandboxes:
+    return open_sandboxes(node_config(args, env), env, out)
 
 
 def _row(sandbox: Sandbox) -> dict[str, Any]:
@@ -178,7 +181,8 @@ def cmd_demo(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     """Build the guest, import its rootfs, boot, write, snapshot, fork, check isolation, clean up."""
     from layerstore.importer import import_image
 
-    guest = _guest_dir(args, env)
+    config = node_config(args, env)
+    guest = config.guest_dir
     steps: list[tuple[str, str]] = []
 
     def step(name: str, detail: str) -> None:
@@ -190,7 +194,7 @@ def cmd_demo(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
         built = subprocess.run(["bash", str(GUEST_BUILD), str(guest)], capture_output=True, text=True)
     if built.returncode != 0:
         raise StrataError(f"guest build failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
-    node = open_node(args, env, out)
+    node = open_sandboxes(config, env, out)
     with out.progress(f"importing {DEMO_IMAGE}") as (advance, set_total):
         imported = import_image(node.store, guest / "rootfs.ext4", DEMO_IMAGE, progress=advance, on_total=set_total)
     step("import", f"{DEMO_IMAGE}: {human_bytes(imported.size)} rootfs, "
