@@ -9,56 +9,50 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from layerstore.cli import Output
-from layerstore.config import NodeConfig
 from layerstore.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from .compose import NodeContext
+    from .node import Node
 
 log = logging.getLogger("strata.api")
 
 
-def build_node(config: NodeConfig, env: dict[str, str], out: Output | None = None):  # noqa: ANN201
-    """Open the store, make sure the node's mount serves it, and wire a Node."""
-    from vmm.cli import open_sandboxes
-
-    from .metrics import Metrics
-    from .node import Node
-
-    boxes = open_sandboxes(config, env, out or Output(json_mode=True))
-    store = boxes.store
-    metrics = Metrics()
-    node = Node(config, store, boxes, metrics)
+def watch_metrics(node: Node) -> None:
+    """Gauges read at scrape time: sandboxes by state, and the mount's cache."""
+    from .node import POOL_KEY
 
     def states() -> dict[str, int]:
         counts = {"running": 0, "paused": 0, "pool": 0}
-        for record in boxes.registry.all():
-            if "strata.pool" in record.metadata:
+        for record in node.boxes.registry.all():
+            if POOL_KEY in record.metadata:
                 counts["pool"] += 1
             else:
                 counts["paused" if record.state == "suspended" else "running"] += 1
         return counts
 
     def cache() -> dict[str, int]:
-        reply = boxes.control({"op": "stats"})
+        reply = node.boxes.control({"op": "stats"})
         return {**reply["cache"], "memory_hits": reply["memory_hits"]}
 
-    metrics.watch(states, cache)
-    return node
+    node.metrics.watch(states, cache)
 
 
-def cmd_serve(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
     import uvicorn
 
     from .app import create_app
 
-    store = getattr(args, "store", None)
-    config = NodeConfig.load(env, store=store, host=args.host, port=args.port,
-                             warm_pool=",".join(args.warm_pool) if args.warm_pool else None)
+    config = ctx.config
+    if not config.store:
+        raise InvalidInput("no store given: pass --store PATH|s3://BUCKET/PREFIX or set STRATA_STORE")
     if not config.api_keys:
         raise InvalidInput("no API keys: set STRATA_API_KEYS (comma-separated, 8+ characters each)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    node = build_node(config, env, out)
+    node = ctx.node()
+    watch_metrics(node)
     node.start()
     try:
         log.info("serving %s on http://%s:%d (mount %s)", node.store.describe(), config.host, config.port,
@@ -67,21 +61,31 @@ def cmd_serve(args: argparse.Namespace, env: dict[str, str], out: Output) -> int
                     timeout_graceful_shutdown=10)
     finally:
         node.stop()
-        node.store.close()
     return 0
 
 
-def cmd_config_check(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_config_check(args: argparse.Namespace, ctx: NodeContext) -> int:
     from layerstore.config import FIELDS
 
-    config = NodeConfig.load(env, store=getattr(args, "store", None))
-    shown = {f.name: ("(set)" if config.values[f.name] else "(none)") if f.secret else str(config.values[f.name])
+    values = ctx.config.values
+    if not ctx.config.store:
+        raise InvalidInput("config: store is required (STRATA_STORE): the store: a directory (embedded) or "
+                           "s3://BUCKET/PREFIX")
+    shown = {f.name: ("(set)" if values[f.name] else "(none)") if f.secret else _shown(values[f.name])
              for f in FIELDS}
-    out.result(shown, "\n".join(f"{k:<18} {v}" for k, v in shown.items()) + "\nconfig OK")
+    ctx.out.result(shown, "\n".join(f"{k:<18} {v}" for k, v in shown.items()) + "\nconfig OK")
     return 0
 
 
-def register(nouns: Any, verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
+def _shown(value: object) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+def register(nouns: Any, common: argparse.ArgumentParser) -> None:
     p = nouns.add_parser("serve", parents=[common], help="run this node's API service (E2B-compatible)")
     p.add_argument("--host", help="listen address (env STRATA_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (env STRATA_PORT; default 8080)")

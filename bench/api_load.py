@@ -201,10 +201,10 @@ def qemu_processes(tmp: Path) -> list[str]:
 
 def upper_layers(server: NodeServer) -> list[str]:
     """Sandbox disks (disk and RAM upper layers) the node's mount still serves."""
-    r = subprocess.run([str(ROOT / ".venv/bin/strata"), "layer", "ls", "--mount", str(server.tmp / "state" / "mnt"),
+    r = subprocess.run([str(ROOT / ".venv/bin/strata"), "disk", "ls", "--mount", str(server.tmp / "state" / "mnt"),
                         "--json"], env=server.env, capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        return [f"`strata layer ls` failed: {r.stderr.strip()[-300:]}"]
+        return [f"`strata disk ls` failed: {r.stderr.strip()[-300:]}"]
     return [row["sid"] for row in json.loads(r.stdout)]
 
 

@@ -10,7 +10,7 @@ machines are noisy):
    before every read, so every row reads its bytes from the disk: the store's
    chunk files for Strata cold, the chunk cache for Strata warm.
 2. 4 KiB random reads (seeded offsets) on warm caches: p50/p99 latency.
-3. ``strata layer seal`` while a writer streams 1 MiB writes into the sandbox.
+3. ``strata disk seal`` while a writer streams 1 MiB writes into the sandbox.
 4. mount time and open()-to-first-4-KiB latency of a fresh 10 GiB sparse image.
 
 Usage (root: dropping the page cache needs it)::
@@ -206,7 +206,7 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
     data the background publisher must really hash, compress and store (the load a
     real VM would put on the daemon while it seals).
     """
-    sh([STRATA, "layer", "new", sid, "--image", ref, "--mount", str(mp), "--json"], m.env)
+    sh([STRATA, "disk", "new", sid, "--image", ref, "--mount", str(mp), "--json"], m.env)
     disk, stop = mp / "sandboxes" / sid / "disk.img", threading.Event()
     state: dict[str, Any] = {"bytes": 0, "errors": []}
 
@@ -229,7 +229,7 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
             state["errors"].append(f"close: {exc}")
 
     # Floor: the same CLI asking the same daemon a trivial question, before any load.
-    floor = [sh([STRATA, "layer", "ls", "--mount", str(mp), "--json"], m.env)[1] * 1000 for _ in range(3)]
+    floor = [sh([STRATA, "disk", "ls", "--mount", str(mp), "--json"], m.env)[1] * 1000 for _ in range(3)]
     note(f"python thread: pwrite({disk}, 1M blocks, sequential, wrapping) until stopped")
     t = threading.Thread(target=writer, daemon=True)
     t0 = time.perf_counter()
@@ -237,7 +237,7 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
     time.sleep(0.5)  # let the writer dirty some chunks first
     switch, wall, dirty, busy, failed = [], [], [], 0, []
     for _ in range(n):
-        p, w = sh([STRATA, "layer", "seal", sid, "--mount", str(mp), "--json"], m.env, check=False)
+        p, w = sh([STRATA, "disk", "seal", sid, "--mount", str(mp), "--json"], m.env, check=False)
         if p.returncode == 0:
             reply = json.loads(p.stdout)
             switch.append(reply["switch_ms"])
@@ -251,13 +251,13 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
     stop.set()
     t.join()
     t1 = time.perf_counter()  # drain: a last seal --wait, retried while an earlier one still publishes
-    while (p := sh([STRATA, "layer", "seal", sid, "--mount", str(mp), "--wait", "--json"], m.env, check=False)[0]
+    while (p := sh([STRATA, "disk", "seal", sid, "--mount", str(mp), "--wait", "--json"], m.env, check=False)[0]
            ).returncode and "still being published" in p.stderr and time.perf_counter() - t1 < 300:
         time.sleep(0.2)
     if p.returncode:
         raise RuntimeError(f"final seal --wait failed: {p.stderr.strip()}")
     publish = time.perf_counter() - t1
-    sh([STRATA, "layer", "rm", sid, "--mount", str(mp), "--json"], m.env)
+    sh([STRATA, "disk", "rm", sid, "--mount", str(mp), "--json"], m.env)
     print(f"  -> {len(switch)} seals done, {busy} refused as busy, failed: {failed[:2]}, "
           f"writer errors: {state['errors'][:2]}")
     return {"switch_p50_ms": pct(switch, 50), "switch_p99_ms": pct(switch, 99), "cli_p50_ms": pct(wall, 50),

@@ -1,4 +1,9 @@
-"""CLI commands of the FUSE layer: mount, umount, cache, layer, image record-prefetch."""
+"""CLI commands of the FUSE layer: mount, umount, cache, disk, image record-prefetch.
+
+Every command finds the node's mount the same way: `--mount` (or the
+positional MOUNTPOINT of `mount`/`umount`), else the configured `mount`
+(STRATA_MOUNT, default STATE_DIR/mnt).
+"""
 
 from __future__ import annotations
 
@@ -6,19 +11,20 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from layerstore.cli import Output, human_bytes, parse_size
+from layerstore.cli import StoreContext, human_bytes, parse_size
 from layerstore.errors import InvalidInput
 
-DEFAULT_CACHE_SIZE = "10G"
+
+def mount_option() -> argparse.ArgumentParser:
+    """`--mount`, the same on every command that talks to the node's mount."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--mount", metavar="DIR", help="the node's mount point (env STRATA_MOUNT; default "
+                                                       "$STRATA_STATE_DIR/mnt)")
+    return parser
 
 
-def _default_cache_dir(env: dict[str, str]) -> str:
-    from layerstore.store import state_dir
-
-    return str(state_dir(env) / "cache")
-
-
-def cmd_mount(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_mount(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import mount
 
     store = getattr(args, "store", None) or env.get("STRATA_STORE", "")
@@ -42,7 +48,8 @@ def cmd_mount(args: argparse.Namespace, env: dict[str, str], out: Output) -> int
     return 0
 
 
-def cmd_umount(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_umount(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import umount
 
     info = umount(args.mountpoint)
@@ -50,7 +57,8 @@ def cmd_umount(args: argparse.Namespace, env: dict[str, str], out: Output) -> in
     return 0
 
 
-def cmd_cache_stats(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_cache_stats(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import call
 
     if args.mount:
@@ -81,7 +89,8 @@ def cmd_cache_stats(args: argparse.Namespace, env: dict[str, str], out: Output) 
     return 0
 
 
-def cmd_cache_drop(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_cache_drop(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import call
 
     reply = call(args.mount, {"op": "cache_drop"})
@@ -89,7 +98,8 @@ def cmd_cache_drop(args: argparse.Namespace, env: dict[str, str], out: Output) -
     return 0
 
 
-def cmd_layer_new(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_disk_new(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import call
 
     request = {"op": "sandbox_create", "sid": args.sid}
@@ -102,7 +112,8 @@ def cmd_layer_new(args: argparse.Namespace, env: dict[str, str], out: Output) ->
     return 0
 
 
-def cmd_layer_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_disk_ls(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import call
 
     rows = call(args.mount, {"op": "sandbox_list"})["sandboxes"]
@@ -117,7 +128,8 @@ def cmd_layer_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> 
     return 0
 
 
-def cmd_layer_rm(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_disk_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import call
 
     reply = call(args.mount, {"op": "sandbox_remove", "sid": args.sid})
@@ -125,7 +137,8 @@ def cmd_layer_rm(args: argparse.Namespace, env: dict[str, str], out: Output) -> 
     return 0
 
 
-def cmd_layer_seal(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_disk_seal(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import call
 
     reply = call(args.mount, {"op": "seal", "sid": args.sid, "wait": args.wait})
@@ -135,7 +148,8 @@ def cmd_layer_seal(args: argparse.Namespace, env: dict[str, str], out: Output) -
     return 0
 
 
-def cmd_record_prefetch(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_record_prefetch(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .client import call
 
     reply = call(args.mount, {"op": "record_prefetch", "image": args.ref})
@@ -144,52 +158,54 @@ def cmd_record_prefetch(args: argparse.Namespace, env: dict[str, str], out: Outp
 
 
 def register(nouns: Any, verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
-    """Add this package's commands to the `strata` parser."""
-    mount_common = argparse.ArgumentParser(add_help=False)
-    mount_common.add_argument("--mount", required=True, metavar="MOUNTPOINT", help="mount point of the daemon to ask")
-
+    """Add this package's commands to the `strata` parser (`verbs`: the store's nouns, to extend `image`)."""
+    mount = mount_option()
     p = nouns.add_parser("mount", parents=[common], help="serve images and sandbox disks through FUSE")
-    p.add_argument("mountpoint")
+    p.add_argument("mount", nargs="?", metavar="MOUNTPOINT", help="default: the configured mount (STRATA_MOUNT)")
     p.add_argument("--cache-dir", help="chunk cache directory (env STRATA_CACHE_DIR; default $STRATA_STATE_DIR/cache)")
-    p.add_argument("--cache-size", type=parse_size, default=parse_size(DEFAULT_CACHE_SIZE),
-                   help=f"hard cap of the chunk cache (default {DEFAULT_CACHE_SIZE})")
+    p.add_argument("--cache-size", type=parse_size, help="hard cap of the chunk cache (env STRATA_CACHE_SIZE; "
+                                                         "default 10G)")
     p.add_argument("--upper-dir", help="where sandbox upper layers live (default $STRATA_STATE_DIR/uppers)")
     p.add_argument("--foreground", action="store_true", help="stay attached instead of starting a daemon")
     p.set_defaults(func=cmd_mount)
-
     p = nouns.add_parser("umount", parents=[common], help="unmount a Strata mount cleanly")
-    p.add_argument("mountpoint")
+    p.add_argument("mount", nargs="?", metavar="MOUNTPOINT", help="default: the configured mount (STRATA_MOUNT)")
     p.set_defaults(func=cmd_umount)
+    _cache_verbs(nouns, common, mount)
+    _disk_verbs(nouns, common, mount)
+    p = verbs["image"].add_parser("record-prefetch", parents=[common, mount],
+                                  help="save the chunks read so far as the image's prefetch list")
+    p.add_argument("ref", metavar="NAME:TAG")
+    p.set_defaults(func=cmd_record_prefetch)
 
+
+def _cache_verbs(nouns: Any, common: argparse.ArgumentParser, mount: argparse.ArgumentParser) -> None:
     cache = nouns.add_parser("cache", help="chunk cache statistics and control")
-    cache_verbs = cache.add_subparsers(dest="verb", metavar="VERB", required=True)
-    p = cache_verbs.add_parser("stats", parents=[common], help="hits, misses, bytes fetched, evictions, size")
-    p.add_argument("--mount", metavar="MOUNTPOINT", help="ask a running daemon (live counters)")
-    p.add_argument("--cache-dir", help="read a cache directory directly")
+    verbs = cache.add_subparsers(dest="verb", metavar="VERB", required=True)
+    p = verbs.add_parser("stats", parents=[common, mount], help="hits, misses, bytes fetched, evictions, size "
+                                                                "(live from the mount when one serves)")
+    p.add_argument("--cache-dir", help="read this cache directory directly instead of asking the mount")
     p.set_defaults(func=cmd_cache_stats)
-    p = cache_verbs.add_parser("drop", parents=[common, mount_common], help="evict every unpinned chunk")
+    p = verbs.add_parser("drop", parents=[common, mount], help="evict every unpinned chunk")
     p.set_defaults(func=cmd_cache_drop)
 
-    layer = nouns.add_parser("layer", help="sandbox disks: writable layers over images")
-    layer_verbs = layer.add_subparsers(dest="verb", metavar="VERB", required=True)
-    p = layer_verbs.add_parser("new", parents=[common, mount_common], help="create a sandbox disk over an image")
+
+def _disk_verbs(nouns: Any, common: argparse.ArgumentParser, mount: argparse.ArgumentParser) -> None:
+    disk = nouns.add_parser("disk", help="sandbox disks: writable upper layers over images")
+    verbs = disk.add_subparsers(dest="verb", metavar="VERB", required=True)
+    p = verbs.add_parser("new", parents=[common, mount], help="create a sandbox disk over an image")
     p.add_argument("sid", metavar="SID")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--image", metavar="NAME:TAG")
     src.add_argument("--manifest", metavar="ID")
-    p.set_defaults(func=cmd_layer_new)
-    p = layer_verbs.add_parser("ls", parents=[common, mount_common], help="list sandbox disks")
-    p.set_defaults(func=cmd_layer_ls)
-    p = layer_verbs.add_parser("rm", parents=[common, mount_common], help="delete a sandbox disk and its upper layer")
+    p.set_defaults(func=cmd_disk_new)
+    p = verbs.add_parser("ls", parents=[common, mount], help="list sandbox disks")
+    p.set_defaults(func=cmd_disk_ls)
+    p = verbs.add_parser("rm", parents=[common, mount], help="delete a sandbox disk and its upper layer")
     p.add_argument("sid", metavar="SID")
-    p.set_defaults(func=cmd_layer_rm)
-    p = layer_verbs.add_parser("seal", parents=[common, mount_common],
-                               help="freeze the upper layer as a new read-only layer (incremental snapshot)")
+    p.set_defaults(func=cmd_disk_rm)
+    p = verbs.add_parser("seal", parents=[common, mount],
+                         help="freeze the upper layer as a new read-only layer (incremental snapshot)")
     p.add_argument("sid", metavar="SID")
     p.add_argument("--wait", action="store_true", help="wait until the layer is published and print its id")
-    p.set_defaults(func=cmd_layer_seal)
-
-    p = verbs["image"].add_parser("record-prefetch", parents=[common, mount_common],
-                                  help="save the chunks read so far as the image's prefetch list")
-    p.add_argument("ref", metavar="NAME:TAG")
-    p.set_defaults(func=cmd_record_prefetch)
+    p.set_defaults(func=cmd_disk_seal)

@@ -1,22 +1,17 @@
-"""`strata`: the one command-line tool for every part of Strata.
+"""The store's commands (`strata image|snapshot|template ...`, `push`, `pull`,
+`gc`, `verify`) and what every command module shares: `Output`, size parsing.
 
-Nouns then verbs (`strata image import FILE NAME:TAG`). Every command takes
-`--json` (one JSON document on stdout) and `--store`; failures print one line,
-`strata: error: ...`, on stderr and exit non-zero (1 for a failed operation, 2
-for bad usage, 3 when `verify` finds problems). Long work shows a progress
-bar when stderr is a terminal.
+The `strata` entry point (api/cli.py) builds the parser from each package's
+`register`, loads the node's configuration once, and calls a command as
+`func(args, ctx)`. `ctx` is the entry point's `NodeContext`; each command
+module declares in a Protocol just what it uses of it (`StoreContext` here),
+so no package reaches above itself for the node.
 
-The store comes from `--store`, else STRATA_STORE, else the config file
-(STRATA_CONFIG, default ~/.config/strata/config.toml):
-
-    store = "/var/lib/strata/store"        # or "s3://bucket/prefix"
-    [s3]
-    endpoint = "http://127.0.0.1:8333"     # -> STRATA_S3_ENDPOINT
-    region = "us-east-1"                   # -> STRATA_S3_REGION
-    path_style = true                      # -> STRATA_S3_PATH_STYLE
-
-Environment variables win over the file; credentials come only from the
-environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), never the file.
+Conventions: nouns then verbs; every command takes `--json` (one JSON
+document on stdout) and `--store`; failures print one line, `strata: error:
+...`, on stderr and exit non-zero (EXIT_FAILED for a failed operation,
+EXIT_USAGE for bad usage, EXIT_PROBLEMS when `verify` finds problems). Long
+work shows a progress bar when stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -24,20 +19,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol
 
 from .chunk import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL
-from .config import load_config, parse_bytes
-from .errors import InvalidInput, StrataError
-from .store import Store, inspect_image, open_store
+from .config import NodeConfig, parse_bytes
+from .errors import InvalidInput
+from .reach import Name
+from .store import Store, inspect_image
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PROBLEMS = 3
-EXTENSIONS = ("fusefs.cli", "vmm.cli", "api.server")
 
 
 def parse_size(text: str) -> int:
@@ -102,17 +96,33 @@ class Output:
             yield
 
 
-def _store(args: argparse.Namespace, env: dict[str, str]) -> Store:
-    spec = getattr(args, "store", None) or env.get("STRATA_STORE", "")
-    level = getattr(args, "level", None) or DEFAULT_LEVEL
-    return open_store(spec, env=env, level=level)
+class StoreContext(Protocol):
+    """What the store's commands use of the entry point's context."""
+
+    config: NodeConfig
+    out: Output
+
+    def open_store(self, spec: str | None = None, *, level: int | None = None) -> Store:
+        """The store `spec` (default: the node's), opened with the node's settings."""
+
+    def node_roots(self, store: Store) -> list[Name]:
+        """What GC of `store` must keep beyond refs, templates and snapshots
+        (the layers this node's sandbox disks sit on)."""
+
+    def node_snapshot_users(self) -> dict[str, list[str]]:
+        """Snapshot id -> this node's sandboxes that need it ("paused sandbox SID")."""
+
+
+def _store(args: argparse.Namespace, ctx: StoreContext) -> Store:
+    return ctx.open_store(level=getattr(args, "level", None))
 
 
 # commands -----------------------------------------------------------------------
-def cmd_image_import(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_image_import(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .importer import import_image
 
-    with _store(args, env) as store:
+    with _store(args, ctx) as store:
         parent = store.resolve(args.parent) if args.parent else None
         with out.progress(f"import {Path(args.file).name}") as (advance, total):
             res = import_image(
@@ -140,10 +150,11 @@ def cmd_image_import(args: argparse.Namespace, env: dict[str, str], out: Output)
     return 0
 
 
-def cmd_image_export(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_image_export(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .exporter import export_image
 
-    with _store(args, env) as store:
+    with _store(args, ctx) as store:
         with out.progress(f"export {args.ref}") as (advance, total):
             res = export_image(store, args.ref, args.out, workers=args.workers, progress=advance, on_total=total)
     out.result(
@@ -154,8 +165,9 @@ def cmd_image_export(args: argparse.Namespace, env: dict[str, str], out: Output)
     return 0
 
 
-def cmd_image_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    with _store(args, env) as store:
+def cmd_image_ls(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
+    with _store(args, ctx) as store:
         rows = []
         for ref, manifest_id, updated in store.list_refs():
             try:
@@ -178,8 +190,9 @@ def cmd_image_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> 
     return 0
 
 
-def cmd_image_inspect(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    with _store(args, env) as store:
+def cmd_image_inspect(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
+    with _store(args, ctx) as store:
         info = inspect_image(store, args.ref)
     data = info.as_dict()
     out.result(
@@ -203,8 +216,9 @@ def cmd_image_inspect(args: argparse.Namespace, env: dict[str, str], out: Output
     return 0
 
 
-def cmd_image_rm(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    with _store(args, env) as store:
+def cmd_image_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
+    with _store(args, ctx) as store:
         manifest_id = store.delete_ref(args.ref)
     out.result(
         {"ref": args.ref, "manifest": manifest_id, "deleted": True},
@@ -224,38 +238,30 @@ def _copy(src: Store, dst: Store, name: str, out: Output, *, chunks: bool, verb:
     return 0
 
 
-def cmd_push(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    with _store(args, env) as src, open_store(args.to, env=env) as dst:
-        return _copy(src, dst, args.name, out, chunks=True, verb="pushed")
+def _remote(given: str | None, ctx: StoreContext, flag: str) -> str:
+    """The other store of a push or pull: `flag`'s value, else the configured remote."""
+    spec = given or ctx.config.remote
+    if not spec:
+        raise InvalidInput(f"no store to copy with: pass {flag} STORE or configure `remote` (STRATA_REMOTE)")
+    return spec
 
 
-def cmd_pull(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    local = getattr(args, "store", None) or env.get("STRATA_STORE", "")
-    if not args.full and env.get("STRATA_REMOTE") != args.source:
-        raise InvalidInput(f"a lazy pull leaves chunks in {args.source}: this node must read them from there "
-                           f"(set STRATA_REMOTE={args.source}, config `remote`), or pull --full")
-    with open_store(args.source, env=env) as src, open_store(local, env=env) as dst:
-        return _copy(src, dst, args.name, out, chunks=args.full, prefetch=args.prefetch, verb="pulled")
+def cmd_push(args: argparse.Namespace, ctx: StoreContext) -> int:
+    with _store(args, ctx) as src, ctx.open_store(_remote(args.to, ctx, "--to")) as dst:
+        return _copy(src, dst, args.name, ctx.out, chunks=True, verb="pushed")
 
 
-def _mount_roots(store: Store, env: dict[str, str]) -> list:
-    """Layers running sandboxes sit on (sealed but not yet in any snapshot),
-    asked of the node's mount if it serves this store: GC must keep them."""
-    from fusefs.client import DaemonError, call, sandbox_layers
-
-    from .reach import Name
-    from .store import state_dir
-
-    mount = env.get("STRATA_MOUNT") or str(state_dir(env) / "mnt")
-    try:
-        if call(mount, {"op": "ping"}, timeout=5, env=env)["store"] != store.describe():
-            return []
-        return [Name("layer", m) for m in sandbox_layers(mount, env=env)]
-    except DaemonError:
-        return []
+def cmd_pull(args: argparse.Namespace, ctx: StoreContext) -> int:
+    source = _remote(args.source, ctx, "--from")
+    if not args.full and ctx.config.remote != source:
+        raise InvalidInput(f"a lazy pull leaves chunks in {source}: this node must read them from there "
+                           f"(set STRATA_REMOTE={source}, config `remote`), or pull --full")
+    with ctx.open_store(source) as src, _store(args, ctx) as dst:
+        return _copy(src, dst, args.name, ctx.out, chunks=args.full, prefetch=args.prefetch, verb="pulled")
 
 
-def cmd_gc(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .config import parse_duration
     from .gc import collect
 
@@ -263,8 +269,8 @@ def cmd_gc(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
         grace = parse_duration(args.grace)
     except ValueError as exc:
         raise InvalidInput(f"--grace: {exc}") from None
-    with _store(args, env) as store:
-        extra = _mount_roots(store, env)
+    with _store(args, ctx) as store:
+        extra = ctx.node_roots(store)
         with out.progress("deleting") as (advance, _total):
             report = collect(store, grace=grace, dry_run=args.dry_run, extra_roots=extra, progress=advance)
     r = report
@@ -279,10 +285,11 @@ def cmd_gc(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_verify(args: argparse.Namespace, ctx: StoreContext) -> int:
+    out = ctx.out
     from .verify import verify_store
 
-    with _store(args, env) as store:
+    with _store(args, ctx) as store:
         with out.progress("verify") as (advance, total):
             report = verify_store(store, workers=args.workers, progress=advance, on_total=total)
 
@@ -302,17 +309,103 @@ def cmd_verify(args: argparse.Namespace, env: dict[str, str], out: Output) -> in
     return 0
 
 
-# parser -------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--store", default=argparse.SUPPRESS, help="store: a directory or s3://BUCKET/PREFIX (env STRATA_STORE)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
-    parser = argparse.ArgumentParser(prog="strata", description="Content-addressed images and snapshots for microVMs.", parents=[common])
-    nouns = parser.add_subparsers(dest="noun", metavar="COMMAND", required=True)
+def cmd_snapshot_ls(args: argparse.Namespace, ctx: StoreContext) -> int:
+    from .inventory import list_snapshots
 
+    with _store(args, ctx) as store:
+        rows = [{"snapshot": s.snapshot_id, "names": s.names}
+                for s in list_snapshots(store, sandbox=args.sandbox, name=args.name)]
+    ctx.out.result(rows, lambda: "\n".join(f"{r['snapshot']}  {' '.join(r['names'])}".rstrip() for r in rows)
+                   or "no snapshots")
+    return 0
+
+
+def cmd_snapshot_inspect(args: argparse.Namespace, ctx: StoreContext) -> int:
+    from .inventory import inspect_snapshot
+
+    with _store(args, ctx) as store:
+        d = inspect_snapshot(store, args.id, node_users=ctx.node_snapshot_users())
+    data = {"snapshot": d.snapshot_id, "parents": d.parents, "stored_bytes": d.stored_bytes, "vm": d.vm,
+            "annotations": d.annotations, "users": d.users,
+            "layers": [{"role": x.role, "manifest": x.manifest, "size": x.size, "stored_bytes": x.stored_bytes}
+                       for x in d.layers]}
+    lines = [f"snapshot       {d.snapshot_id}", f"parents        {len(d.parents)}",
+             f"stored bytes   {human_bytes(d.stored_bytes)}", f"used by        {', '.join(d.users) or '-'}"]
+    lines += [f"{x.role:<14} {x.manifest[:16]}  {human_bytes(x.size)}, {human_bytes(x.stored_bytes)} stored"
+              for x in d.layers]
+    ctx.out.result(data, "\n".join(lines))
+    return 0
+
+
+def cmd_snapshot_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
+    from .inventory import delete_snapshot
+
+    with _store(args, ctx) as store:
+        delete_snapshot(store, args.id, node_users=ctx.node_snapshot_users())
+    ctx.out.result({"snapshot": args.id, "deleted": True},
+                   f"removed snapshot {args.id} (its layers and chunks stay until `strata gc`)")
+    return 0
+
+
+def _template_row(t: Any) -> dict[str, object]:
+    return {"name": t.name, "kind": t.kind, "target": t.target, "created": t.created}
+
+
+def cmd_template_ls(args: argparse.Namespace, ctx: StoreContext) -> int:
+    with _store(args, ctx) as store:
+        rows = [_template_row(t) for t in store.list_templates()]
+    ctx.out.result(rows, lambda: "\n".join(f"{r['name']:<24} {r['kind']:<8} {r['target']}" for r in rows)
+                   or "no templates")
+    return 0
+
+
+def cmd_template_create(args: argparse.Namespace, ctx: StoreContext) -> int:
+    from .templates import new_template
+
+    kind, target = ("image", args.image) if args.image else ("snapshot", args.snapshot)
+    template = new_template(args.name, kind, target)
+    with _store(args, ctx) as store:
+        store.put_template(template)
+    ctx.out.result(_template_row(template), f"template {template.name} -> {kind} {template.target}")
+    return 0
+
+
+def cmd_template_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
+    with _store(args, ctx) as store:
+        template = store.delete_template(args.name)
+    ctx.out.result(_template_row(template), f"removed template {template.name} (what it named stays)")
+    return 0
+
+
+# parser -------------------------------------------------------------------------
+def common_options() -> argparse.ArgumentParser:
+    """Options every command takes (added as a parent parser at each level)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", default=argparse.SUPPRESS,
+                        help="store: a directory or s3://BUCKET/PREFIX (env STRATA_STORE)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
+    return common
+
+
+def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
+    """Add the store's nouns and verbs; returns {noun: its verbs} for other packages to extend."""
     image = nouns.add_parser("image", help="import, export, list, inspect and remove images")
     verbs = image.add_subparsers(dest="verb", metavar="VERB", required=True)
+    _image_verbs(verbs, common)
+    _snapshot_verbs(nouns, common)
+    _template_verbs(nouns, common)
+    _copy_verbs(nouns, common)
+    p = nouns.add_parser("gc", parents=[common], help="delete chunks and manifests no ref, template or snapshot reaches")
+    p.add_argument("--grace", default="24h", help="never delete anything younger (default 24h)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; change nothing")
+    p.set_defaults(func=cmd_gc)
+    p = nouns.add_parser("verify", parents=[common], help="re-hash every chunk; report corrupt or missing ones")
+    p.add_argument("--workers", type=int, default=None)
+    p.set_defaults(func=cmd_verify)
+    return {"image": verbs}
 
+
+def _image_verbs(verbs: Any, common: argparse.ArgumentParser) -> None:
     p = verbs.add_parser("import", parents=[common], help="import a raw image file as NAME:TAG")
     p.add_argument("file", help="raw image (disk image, memory file); sparse files are read sparsely")
     p.add_argument("ref", metavar="NAME:TAG")
@@ -321,75 +414,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent", metavar="NAME:TAG", help="store only chunks that differ from this image")
     p.add_argument("--workers", type=int, default=None, help="hashing threads (default: cores)")
     p.set_defaults(func=cmd_image_import)
-
     p = verbs.add_parser("export", parents=[common], help="write NAME:TAG to a raw file (bit-exact, sparse)")
     p.add_argument("ref", metavar="NAME:TAG")
     p.add_argument("out", metavar="OUT")
     p.add_argument("--workers", type=int, default=None)
     p.set_defaults(func=cmd_image_export)
-
     p = verbs.add_parser("ls", parents=[common], help="list images")
     p.set_defaults(func=cmd_image_ls)
-
     p = verbs.add_parser("inspect", parents=[common], help="size, chunks, stored bytes, dedup ratio")
     p.add_argument("ref", metavar="NAME:TAG")
     p.set_defaults(func=cmd_image_inspect)
-
     p = verbs.add_parser("rm", parents=[common], help="remove an image ref (data stays until gc)")
     p.add_argument("ref", metavar="NAME:TAG")
     p.set_defaults(func=cmd_image_rm)
 
+
+def _snapshot_verbs(nouns: Any, common: argparse.ArgumentParser) -> None:
+    snapshot = nouns.add_parser("snapshot", help="list, inspect and remove VM snapshots")
+    verbs = snapshot.add_subparsers(dest="verb", metavar="VERB", required=True)
+    p = verbs.add_parser("ls", parents=[common], help="list snapshots (and the templates naming them)")
+    p.add_argument("--sandbox", metavar="SID", help="only the snapshots of this sandbox")
+    p.add_argument("--name", metavar="TEMPLATE", help="only the snapshot this template names")
+    p.set_defaults(func=cmd_snapshot_ls)
+    p = verbs.add_parser("inspect", parents=[common], help="parents, layers, stored bytes, users")
+    p.add_argument("id", metavar="SNAPSHOT_ID")
+    p.set_defaults(func=cmd_snapshot_inspect)
+    p = verbs.add_parser("rm", parents=[common], help="remove a snapshot (refused while a template or paused "
+                                                      "sandbox needs it; data stays until gc)")
+    p.add_argument("id", metavar="SNAPSHOT_ID")
+    p.set_defaults(func=cmd_snapshot_rm)
+
+
+def _template_verbs(nouns: Any, common: argparse.ArgumentParser) -> None:
+    template = nouns.add_parser("template", help="names sandboxes are created from (an image or a snapshot)")
+    verbs = template.add_subparsers(dest="verb", metavar="VERB", required=True)
+    p = verbs.add_parser("ls", parents=[common], help="list templates")
+    p.set_defaults(func=cmd_template_ls)
+    p = verbs.add_parser("create", parents=[common], help="name an image or a snapshot as a template")
+    p.add_argument("name", metavar="NAME")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--image", metavar="NAME:TAG", help="sandboxes boot this image")
+    target.add_argument("--snapshot", metavar="SNAPSHOT_ID", help="sandboxes restore this snapshot")
+    p.set_defaults(func=cmd_template_create)
+    p = verbs.add_parser("rm", parents=[common], help="remove a template (what it names stays)")
+    p.add_argument("name", metavar="NAME")
+    p.set_defaults(func=cmd_template_rm)
+
+
+def _copy_verbs(nouns: Any, common: argparse.ArgumentParser) -> None:
     p = nouns.add_parser("push", parents=[common], help="copy an image, snapshot or template to another store")
     p.add_argument("name", metavar="REF", help="NAME:TAG, a snapshot id, or a template name")
-    p.add_argument("--to", required=True, metavar="STORE", help="destination: a directory or s3://BUCKET/PREFIX")
+    p.add_argument("--to", metavar="STORE", help="destination: a directory or s3://BUCKET/PREFIX "
+                                                 "(default: the configured remote, STRATA_REMOTE)")
     p.set_defaults(func=cmd_push)
     p = nouns.add_parser("pull", parents=[common], help="fetch an image, snapshot or template from another store")
     p.add_argument("name", metavar="REF", help="NAME:TAG, a snapshot id, or a template name")
-    p.add_argument("--from", dest="source", required=True, metavar="STORE")
+    p.add_argument("--from", dest="source", metavar="STORE", help="source (default: the configured remote, "
+                                                                  "STRATA_REMOTE)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--full", action="store_true", help="copy every chunk too (default: manifests only; chunks "
-                                                         "load lazily from --from, set as STRATA_REMOTE)")
+                                                         "load lazily from the remote, which must be STRATA_REMOTE)")
     how.add_argument("--prefetch", action="store_true", help="copy the chunks of the recorded working set "
                                                              "(strata image record-prefetch); the rest loads lazily")
     p.set_defaults(func=cmd_pull)
-    p = nouns.add_parser("gc", parents=[common], help="delete chunks and manifests no ref, template or snapshot reaches")
-    p.add_argument("--grace", default="24h", help="never delete anything younger (default 24h)")
-    p.add_argument("--dry-run", action="store_true", help="report what would be deleted; change nothing")
-    p.set_defaults(func=cmd_gc)
-
-    p = nouns.add_parser("verify", parents=[common], help="re-hash every chunk; report corrupt or missing ones")
-    p.add_argument("--workers", type=int, default=None)
-    p.set_defaults(func=cmd_verify)
-
-    # The other packages add their nouns (mount, cache, layer, ...) here.
-    import importlib
-
-    for module in EXTENSIONS:
-        importlib.import_module(module).register(nouns, {"image": verbs}, common)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    out = Output(json_mode=getattr(args, "json", False))
-    try:
-        env = load_config(dict(os.environ))
-        return args.func(args, env, out)
-    except StrataError as exc:
-        sys.stderr.write(f"strata: error: {exc}\n")
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        sys.stderr.write("strata: interrupted\n")
-        return 130
-    except BrokenPipeError:
-        return EXIT_FAILED
-    except Exception as exc:  # a bug: still one line, traceback on demand
-        if os.environ.get("STRATA_DEBUG"):
-            raise
-        sys.stderr.write(f"strata: internal error: {type(exc).__name__}: {exc} (set STRATA_DEBUG=1 for a traceback)\n")
-        return EXIT_FAILED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +107,19 @@ def _pool(text: str) -> dict[str, int]:
     return pool
 
 
+def _list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in str(text).split(",") if item.strip())
+
+
+def _path(text: str) -> Path:
+    return Path(os.path.expanduser(str(text)))
+
+
 @dataclass(frozen=True)
 class Field:
-    name: str  # config-file key; the variable is STRATA_<NAME>
+    """One setting: its file key, how its text is parsed, its default and meaning."""
+
+    name: str  # config-file key (s3_x is key x of the [s3] table); the variable is STRATA_<NAME>
     parse: Callable[[str], Any]
     default: str | None
     doc: str
@@ -120,33 +130,122 @@ class Field:
         return "STRATA_" + self.name.upper()
 
 
-FIELDS: tuple[Field, ...] = (
-    Field("store", str, None, "the store: a directory (embedded) or s3://BUCKET/PREFIX"),
-    Field("remote", str, "", "shared store (s3://...) a node reads chunks from that its store lacks (after a lazy pull)"),
-    Field("peers", str, "", "other nodes (http://HOST:PORT,...) asked for a chunk before the remote store"),
-    Field("peer_key", str, "", "the API key this node presents to its peers; environment only", secret=True),
-    Field("state_dir", str, DEFAULT_STATE_DIR, "per-node state: catalogs, cache, upper layers, sandboxes"),
-    Field("mount", str, "", "the node's FUSE mount point (default STATE_DIR/mnt)"),
-    Field("cache_dir", str, "", "chunk cache directory (default STATE_DIR/cache)"),
-    Field("cache_size", parse_bytes, "10G", "hard cap of the chunk cache"),
-    Field("guest_dir", str, "", "guest kernel + initramfs (default STATE_DIR/guest)"),
-    Field("vmm", _choice("qemu", "firecracker"), "qemu", "VMM backend"),
-    Field("accel", _choice("", "kvm", "tcg"), "", "force QEMU's accelerator (default: KVM only where it can run a guest)"),
-    Field("run_dir", str, "", "control sockets of mounts (default /run/strata as root)"),
-    Field("host", str, "127.0.0.1", "address `strata serve` listens on"),
-    Field("port", _port, "8080", "port `strata serve` listens on"),
-    Field("sandbox_memory", _positive, "256", "guest memory of new sandboxes, MiB"),
-    Field("sandbox_timeout", parse_duration, "300s", "TTL of a sandbox created without a timeout"),
-    Field("max_timeout", parse_duration, "24h", "longest TTL a request may ask for"),
-    Field("max_sandboxes", _positive, "64", "sandboxes (running + paused) one node holds at most"),
-    Field("paused_retention", parse_duration, "7d", "how long a paused sandbox is kept before it is reclaimed"),
-    Field("max_upload", parse_bytes, "64G", "largest image upload the API accepts"),
-    Field("warm_pool", _pool, "", "pre-restored paused sandboxes per template: NAME=N,..."),
-    Field("api_keys", _keys, "", "API keys (X-API-Key), comma-separated; environment only", secret=True),
-    Field("admin_keys", _keys, "", "admin keys (also API keys), comma-separated; environment only", secret=True),
-    Field("s3_endpoint", str, "", "S3 endpoint URL (empty: AWS)"),
-    Field("s3_region", str, "", "S3 region"),
-    Field("s3_path_style", _choice("true", "false", ""), "", "path-style S3 addressing"),
+def _setting(default: str | None, parse: Callable[[str], Any], doc: str, *, secret: bool = False) -> Any:
+    """A NodeConfig field: the schema entry rides along as the field's metadata."""
+    return field(metadata={"setting": (parse, default, doc, secret)})
+
+
+def _text(text: str) -> str:
+    return str(text)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The validated settings of one node, built once at the top (`strata`'s
+    entry point, `strata serve`) from the config file, the environment and
+    command-line flags, then passed down: nothing below reads the environment.
+
+    Paths are resolved: `mount`, `cache_dir`, `guest_dir` and `run_dir` are
+    never empty (their defaults derive from `state_dir` and the user).
+    """
+
+    store: str = _setting(None, _text, "the store: a directory (embedded) or s3://BUCKET/PREFIX")
+    remote: str = _setting("", _text, "shared store (s3://...) a node reads chunks from that its store lacks "
+                                      "(after a lazy pull); the default of push and pull")
+    peers: tuple[str, ...] = _setting("", _list, "other nodes (http://HOST:PORT,...) asked for a chunk before "
+                                                 "the remote store")
+    peer_key: str = _setting("", _text, "the API key this node presents to its peers; environment only", secret=True)
+    state_dir: Path = _setting(DEFAULT_STATE_DIR, _path, "per-node state: catalogs, cache, upper layers, sandboxes")
+    mount: Path = _setting("", _text, "the node's FUSE mount point (default STATE_DIR/mnt)")
+    cache_dir: Path = _setting("", _text, "chunk cache directory (default STATE_DIR/cache)")
+    cache_size: int = _setting("10G", parse_bytes, "hard cap of the chunk cache")
+    guest_dir: Path = _setting("", _text, "guest kernel + initramfs (default STATE_DIR/guest)")
+    vmm: str = _setting("qemu", _choice("qemu", "firecracker"), "VMM backend")
+    accel: str = _setting("", _choice("", "kvm", "tcg"), "force QEMU's accelerator (default: KVM only where it "
+                                                          "can run a guest)")
+    run_dir: Path = _setting("", _text, "control sockets of mounts (default /run/strata as root)")
+    host: str = _setting("127.0.0.1", _text, "address `strata serve` listens on")
+    port: int = _setting("8080", _port, "port `strata serve` listens on")
+    sandbox_memory: int = _setting("256", _positive, "guest memory of new sandboxes, MiB")
+    sandbox_timeout: float = _setting("300s", parse_duration, "TTL of a sandbox created without a timeout")
+    max_timeout: float = _setting("24h", parse_duration, "longest TTL a request may ask for")
+    max_sandboxes: int = _setting("64", _positive, "sandboxes (running + paused) one node holds at most")
+    paused_retention: float = _setting("7d", parse_duration, "how long a paused sandbox is kept before it is "
+                                                             "reclaimed")
+    max_upload: int = _setting("64G", parse_bytes, "largest image upload the API accepts")
+    warm_pool: dict[str, int] = _setting("", _pool, "pre-restored paused sandboxes per template: NAME=N,...")
+    api_keys: tuple[str, ...] = _setting("", _keys, "API keys (X-API-Key), comma-separated; environment only",
+                                         secret=True)
+    admin_keys: tuple[str, ...] = _setting("", _keys, "admin keys (also API keys), comma-separated; environment "
+                                                      "only", secret=True)
+    s3_endpoint: str = _setting("", _text, "S3 endpoint URL (empty: AWS)")
+    s3_region: str = _setting("", _text, "S3 region")
+    s3_path_style: str = _setting("", _choice("true", "false", ""), "path-style S3 addressing")
+
+    @classmethod
+    def load(cls, env: Mapping[str, str], *, require_store: bool = True, **overrides: Any) -> "NodeConfig":
+        """Validate the config file + environment (+ command-line overrides, None = not given).
+
+        `require_store=False` lets commands that need no store (`strata umount`)
+        run without one; `open_store` then fails with its own clear line.
+        """
+        merged = load_config(env)
+        values: dict[str, Any] = {}
+        for spec in FIELDS:
+            if overrides.get(spec.name) is not None:
+                raw = str(overrides[spec.name])
+            else:
+                raw = merged.get(spec.env, spec.default)
+            if raw is None:
+                if require_store or spec.name != "store":
+                    raise InvalidInput(f"config: {spec.name} is required ({spec.env}): {spec.doc}")
+                raw = ""
+            try:
+                values[spec.name] = spec.parse(raw)
+            except ValueError as exc:
+                raise InvalidInput(f"config: {spec.env}: {exc}") from None
+        state = values["state_dir"]
+        values["mount"] = Path(values["mount"] or state / "mnt")
+        values["cache_dir"] = Path(values["cache_dir"] or state / "cache")
+        values["guest_dir"] = Path(values["guest_dir"] or state / "guest")
+        values["run_dir"] = Path(values["run_dir"] or default_run_dir(env))
+        values["api_keys"] = values["api_keys"] + values["admin_keys"]
+        if values["sandbox_timeout"] > values["max_timeout"]:
+            raise InvalidInput("config: STRATA_SANDBOX_TIMEOUT is longer than STRATA_MAX_TIMEOUT")
+        return cls(**values)
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """Every setting by name (for display: `strata config check`)."""
+        return {f.name: getattr(self, f.name) for f in FIELDS}
+
+    def store_options(self) -> dict[str, Any]:
+        """How to open this node's stores: the keyword arguments of
+        `layerstore.store.open_store` that come from configuration."""
+        return {"s3_endpoint": self.s3_endpoint, "s3_region": self.s3_region,
+                "s3_path_style": self.s3_path_style != "false", "remote": self.remote, "peers": self.peers,
+                "peer_key": self.peer_key, "state_dir": self.state_dir}
+
+    def env(self) -> dict[str, str]:
+        """The settings as environment variables (secrets left out)."""
+        out = {}
+        for spec in FIELDS:
+            value = getattr(self, spec.name)
+            if spec.secret or value in ("", None, {}, ()):
+                continue
+            if isinstance(value, dict):
+                out[spec.env] = ",".join(f"{k}={v}" for k, v in value.items())
+            elif isinstance(value, tuple):
+                out[spec.env] = ",".join(value)
+            else:
+                out[spec.env] = str(value)
+        return out
+
+
+FIELDS: tuple[Field, ...] = tuple(
+    Field(f.name, f.metadata["setting"][0], f.metadata["setting"][1], f.metadata["setting"][2],
+          f.metadata["setting"][3])
+    for f in fields(NodeConfig)
 )
 
 
@@ -183,54 +282,12 @@ def load_config(env: Mapping[str, str]) -> dict[str, str]:
     return merged
 
 
-@dataclass(frozen=True)
-class NodeConfig:
-    """The validated settings of one node (see FIELDS for each one's meaning)."""
-
-    values: dict[str, Any] = field(default_factory=dict)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    @classmethod
-    def load(cls, env: Mapping[str, str], **overrides: Any) -> "NodeConfig":
-        """Validate the config file + environment (+ command-line overrides)."""
-        merged = load_config(env)
-        values: dict[str, Any] = {}
-        for spec in FIELDS:
-            if overrides.get(spec.name) is not None:
-                raw = str(overrides[spec.name])
-            else:
-                raw = merged.get(spec.env, spec.default)
-            if raw is None:
-                raise InvalidInput(f"config: {spec.name} is required ({spec.env}): {spec.doc}")
-            try:
-                values[spec.name] = spec.parse(raw)
-            except ValueError as exc:
-                raise InvalidInput(f"config: {spec.env}: {exc}") from None
-        state = Path(os.path.expanduser(values["state_dir"]))
-        values["state_dir"] = state
-        values["mount"] = Path(values["mount"] or state / "mnt")
-        values["cache_dir"] = Path(values["cache_dir"] or state / "cache")
-        values["guest_dir"] = Path(values["guest_dir"] or state / "guest")
-        values["admin_keys"] = tuple(values["admin_keys"])
-        values["api_keys"] = tuple(values["api_keys"]) + values["admin_keys"]
-        if values["sandbox_timeout"] > values["max_timeout"]:
-            raise InvalidInput("config: STRATA_SANDBOX_TIMEOUT is longer than STRATA_MAX_TIMEOUT")
-        return cls(values)
-
-    def env(self) -> dict[str, str]:
-        """The settings as environment variables (for child processes)."""
-        out = {}
-        for spec in FIELDS:
-            value = self.values[spec.name]
-            if spec.secret or value in ("", None, {}):
-                continue
-            out[spec.env] = ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
-        return out
+def default_run_dir(env: Mapping[str, str]) -> Path:
+    """Where mount control sockets live when `run_dir` is not set: /run/strata
+    as root, else the user's runtime directory."""
+    if os.geteuid() == 0:
+        return Path("/run/strata")
+    return Path(env.get("XDG_RUNTIME_DIR") or f"/tmp/strata-{os.getuid()}") / "strata"
 
 
 def config_reference() -> str:

@@ -173,7 +173,7 @@ def served_disk(tmp_path: Path, guest: Path) -> Iterator[tuple[object, Path]]:
     m = Mount(tmp_path, cache_size="256M")
     m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
     m.start()
-    m.strata("layer", "new", "vm1", "--image", "guest:v1", "--mount", str(m.mnt))
+    m.strata("disk", "new", "vm1", "--image", "guest:v1", "--mount", str(m.mnt))
     try:
         yield m, m.mnt / "sandboxes" / "vm1" / "disk.img"
     finally:

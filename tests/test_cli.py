@@ -18,7 +18,7 @@ from tests.images import write_image
 
 def strata_cmd() -> list[str]:
     exe = Path(sys.executable).parent / "strata"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "layerstore.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "api.cli"]
 
 
 def run(args: list[str], env: dict[str, str] | None = None, *, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

@@ -103,9 +103,9 @@ def test_refusals(mount: Mount) -> None:
         (mount.mnt / "images" / "new-file").write_bytes(b"x")
     with pytest.raises(OSError):
         os.mkdir(mount.mnt / "sandboxes" / "x")
-    r = mount.strata("layer", "new", "../evil", "--image", "ro:v1", "--mount", str(mount.mnt), check=False)
+    r = mount.strata("disk", "new", "../evil", "--image", "ro:v1", "--mount", str(mount.mnt), check=False)
     assert r.returncode == 1 and "invalid sandbox id" in r.stderr
-    r = mount.strata("layer", "new", "sb", "--image", "nope:v1", "--mount", str(mount.mnt), check=False)
+    r = mount.strata("disk", "new", "sb", "--image", "nope:v1", "--mount", str(mount.mnt), check=False)
     assert r.returncode == 1 and "not found" in r.stderr
 
 
@@ -137,8 +137,8 @@ def test_sandbox_write_seal_remount(mount: Mount) -> None:
     mount.strata("image", "import", str(mount.tmp / "a.img"), "base:v1")
     mount.start()
     m = str(mount.mnt)
-    mount.strata("layer", "new", "sb1", "--image", "base:v1", "--mount", m)
-    mount.strata("layer", "new", "sb2", "--image", "base:v1", "--mount", m)
+    mount.strata("disk", "new", "sb1", "--image", "base:v1", "--mount", m)
+    mount.strata("disk", "new", "sb2", "--image", "base:v1", "--mount", m)
     d1 = mount.mnt / "sandboxes" / "sb1" / "disk.img"
     d2 = mount.mnt / "sandboxes" / "sb2" / "disk.img"
     with open(d1, "r+b", buffering=0) as f:
@@ -148,7 +148,7 @@ def test_sandbox_write_seal_remount(mount: Mount) -> None:
     expected = bytearray(content)
     expected[MiB + 123 : MiB + 137] = b"written by sb1"
     assert d1.read_bytes() == bytes(expected)
-    sealed = json.loads(mount.strata("layer", "seal", "sb1", "--wait", "--mount", m, "--json").stdout)
+    sealed = json.loads(mount.strata("disk", "seal", "sb1", "--wait", "--mount", m, "--json").stdout)
     assert sealed["dirty_chunks"] == 1 and len(sealed["manifest"]) == 64
     assert (mount.mnt / "layers" / sealed["manifest"] / "disk.img").read_bytes() == bytes(expected)
     with open(d1, "r+b", buffering=0) as f:  # writes after the seal go to the fresh upper layer
@@ -159,9 +159,9 @@ def test_sandbox_write_seal_remount(mount: Mount) -> None:
     mount.pid = None
     mount.start()
     assert d1.read_bytes() == bytes(expected)
-    rows = json.loads(mount.strata("layer", "ls", "--mount", m, "--json").stdout)
+    rows = json.loads(mount.strata("disk", "ls", "--mount", m, "--json").stdout)
     assert {r["sid"]: r["layers"] for r in rows}["sb1"] == [sealed["manifest"]]
-    mount.strata("layer", "rm", "sb2", "--mount", m)
+    mount.strata("disk", "rm", "sb2", "--mount", m)
     assert not (mount.mnt / "sandboxes" / "sb2").exists()
 
 
@@ -170,7 +170,7 @@ def test_sigkill_then_remount_keeps_fsynced_writes(mount: Mount) -> None:
     mount.strata("image", "import", str(mount.tmp / "a.img"), "base:v1")
     mount.start()
     m = str(mount.mnt)
-    mount.strata("layer", "new", "sb", "--image", "base:v1", "--mount", m)
+    mount.strata("disk", "new", "sb", "--image", "base:v1", "--mount", m)
     disk = mount.mnt / "sandboxes" / "sb" / "disk.img"
     with open(disk, "r+b", buffering=0) as f:
         os.pwrite(f.fileno(), b"synced", 4096)

@@ -65,7 +65,7 @@ def test_lifecycle_across_processes(node: Mount, tmp_path: Path) -> None:
     killed = j(m, "kill", "--all")
     assert sorted(killed["killed"]) == ["box", "box-fork1", "box-fork2"]
     assert sids(m) == []
-    assert json.loads(m.strata("layer", "ls", "--mount", str(m.mnt), "--json").stdout) == []
+    assert json.loads(m.strata("disk", "ls", "--mount", str(m.mnt), "--json").stdout) == []
     assert m.stats()["pinned"] == 0  # killing released the cache pins
     assert not list((tmp_path / "state" / "sandboxes").iterdir())
 

@@ -25,10 +25,10 @@ def test_accel_detection_refuses_pvm_kvm(tmp_path: Path) -> None:
     dev = tmp_path / "kvm"
     dev.write_text("")
     (tmp_path / "mod" / "kvm_pvm").mkdir(parents=True)
-    assert detect(env={}, dev=str(dev), sys_module=str(tmp_path / "mod")).name == "tcg"
-    assert detect(env={}, dev=str(tmp_path / "none"), sys_module=str(tmp_path)).name == "tcg"
-    assert detect(env={}, dev=str(dev), sys_module=str(tmp_path)).name == "kvm"
-    assert detect(env={"STRATA_ACCEL": "tcg"}, dev=str(dev), sys_module=str(tmp_path)).name == "tcg"
+    assert detect(dev=str(dev), sys_module=str(tmp_path / "mod")).name == "tcg"
+    assert detect(dev=str(tmp_path / "none"), sys_module=str(tmp_path)).name == "tcg"
+    assert detect(dev=str(dev), sys_module=str(tmp_path)).name == "kvm"
+    assert detect(forced="tcg", dev=str(dev), sys_module=str(tmp_path)).name == "tcg"
 
 
 @needs_qemu
@@ -205,6 +205,6 @@ def test_pause_while_writing_loses_nothing_and_missing_chunk_refuses_restore(
     with pytest.raises(MissingChunk, match=victim):
         boxes.restore(snapshot_id, sid="broken")
     assert "broken" not in [r["sid"] for r in boxes.list()]
-    rows = json.loads(m.strata("layer", "ls", "--mount", str(m.mnt), "--json").stdout)
+    rows = json.loads(m.strata("disk", "ls", "--mount", str(m.mnt), "--json").stdout)
     assert [r["sid"] for r in rows] == []  # no half-created sandbox disk left
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True).stdout == b""

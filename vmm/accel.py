@@ -23,12 +23,11 @@ class Accel:
         return f"pc,accel={self.name}"
 
 
-def detect(*, env: dict[str, str] | None = None, dev: str = "/dev/kvm", sys_module: str = "/sys/module") -> Accel:
-    """Pick KVM when it can run a stock guest, else TCG (with the reason)."""
-    env = dict(os.environ if env is None else env)
-    forced = env.get("STRATA_ACCEL", "").lower()
+def detect(*, forced: str = "", dev: str = "/dev/kvm", sys_module: str = "/sys/module") -> Accel:
+    """Pick KVM when it can run a stock guest, else TCG (with the reason);
+    `forced` (config `accel`, STRATA_ACCEL) overrides the probe."""
     if forced in ("kvm", "tcg"):
-        return Accel(forced, f"forced by STRATA_ACCEL={forced}")
+        return Accel(forced, f"forced by config accel={forced}")
     if not os.path.exists(dev):
         return Accel("tcg", f"{dev} is missing: using TCG emulation (slow)")
     if (Path(sys_module) / "kvm_pvm").exists():

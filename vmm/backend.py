@@ -97,16 +97,19 @@ class VmmBackend(Protocol):
 BACKENDS = ("qemu", "firecracker")
 
 
-def open_backend(name: str) -> VmmBackend:
-    """The backend called `name` (STRATA_VMM), imported only when chosen."""
+def open_backend(name: str, *, accel: str = "") -> VmmBackend:
+    """The backend called `name` (config `vmm`), imported only when chosen;
+    `accel` forces QEMU's accelerator (config `accel`; empty: probe)."""
+    from .accel import detect
+
     if name == "qemu":
         from .qemu import QemuBackend
 
-        return QemuBackend()
+        return QemuBackend(accel=detect(forced=accel))
     if name == "firecracker":
         from .firecracker import FirecrackerBackend
 
-        return FirecrackerBackend()
+        return FirecrackerBackend(accel=detect(forced=accel))
     from layerstore.errors import InvalidInput
 
     raise InvalidInput(f"unknown VMM backend {name!r}: choose one of {', '.join(BACKENDS)}")

@@ -4,7 +4,7 @@ fork and kill sandboxes on this node, and a demo that does all of it.
 Each command is its own process: sandboxes are found again through their
 records (vmm/registry.py) and VMs re-attached over their control sockets.
 The node's mount is `--mount` (STRATA_MOUNT, default $STRATA_STATE_DIR/mnt)
-and is started on first use, so `strata sandbox boot IMAGE` works on a
+and is started on first use (the entry point's NodeContext does that), so `strata sandbox boot IMAGE` works on a
 fresh node with nothing but a store.
 """
 
@@ -15,10 +15,10 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from layerstore.cli import Output, human_bytes, parse_size
-from layerstore.config import NodeConfig
+from fusefs.cli import mount_option
+from layerstore.cli import StoreContext, human_bytes
 from layerstore.errors import InvalidInput, StrataError
 
 from .backend import BACKENDS
@@ -26,54 +26,17 @@ from .sandbox import MAX_FORKS, Sandbox, Sandboxes
 
 GUEST_BUILD = Path(__file__).resolve().parent / "guest" / "build.sh"
 DEMO_IMAGE = "strata-guest:demo"
+# `sandbox exec` exits with the guest command's code; Strata's own failure
+# there is 255, as ssh does, so a guest's `exit 1` or `exit 2` is never
+# mistaken for "strata failed" or "bad usage".
+EXIT_EXEC_FAILED = 255
 
 
-def _state(env: dict[str, str]) -> Path:
-    from layerstore.store import state_dir
+class NodeContext(StoreContext, Protocol):
+    """What the sandbox commands use of the entry point's context."""
 
-    return state_dir(env)
-
-
-def ensure_mount(mnt: Path, store_spec: str, wanted: str, env: dict[str, str], out: Output, *,
-                 cache_size: int = parse_size("10G")) -> None:
-    """Use the daemon serving `mnt`, or start one on `store_spec`; refuse a
-    mount that serves another store than `wanted` (sandboxes would mix two)."""
-    from fusefs.client import DaemonError, call, mount
-
-    try:
-        served = call(mnt, {"op": "ping"}, timeout=10, env=env)["store"]
-    except DaemonError:
-        mnt.mkdir(parents=True, exist_ok=True)
-        with out.status(f"mounting {wanted} at {mnt}"):
-            mount(mnt, store=store_spec, cache_dir=env.get("STRATA_CACHE_DIR") or _state(env) / "cache",
-                  cache_size=cache_size, env=env)  # the daemon sees the node's whole config (remote, peers)
-        return
-    if served != wanted:
-        raise InvalidInput(f"{mnt} serves {served}, not {wanted}: pass --mount for another mount point")
-
-
-def node_config(args: argparse.Namespace, env: dict[str, str]) -> NodeConfig:
-    """The node's settings (layerstore/config.py), with this command's options on top."""
-    return NodeConfig.load(env, store=getattr(args, "store", None), mount=args.mount, guest_dir=args.guest_dir,
-                           vmm=args.vmm)
-
-
-def open_sandboxes(config: NodeConfig, env: dict[str, str], out: Output) -> Sandboxes:
-    """The node's sandboxes: its store, its mount (started if needed), its VMM
-    backend. `strata sandbox` and `strata serve` assemble a node this one way."""
-    from layerstore.store import open_store
-
-    from .backend import open_backend
-
-    env = {**env, **config.env()}
-    store = open_store(config.store, env=env)
-    ensure_mount(config.mount, config.store, store.describe(), env, out, cache_size=config.cache_size)
-    return Sandboxes(store, config.mount, open_backend(config.vmm), guest_dir=config.guest_dir,
-                     work_root=config.state_dir / "sandboxes", memory_mib=config.sandbox_memory, control_env=env)
-
-
-def open_node(args: argparse.Namespace, env: dict[str, str], out: Output) -> Sandboxes:
-    return open_sandboxes(node_config(args, env), env, out)
+    def sandboxes(self) -> Sandboxes:
+        """The node's sandboxes: its store, its mount (started if needed), its VMM backend."""
 
 
 def _row(sandbox: Sandbox) -> dict[str, Any]:
@@ -83,8 +46,9 @@ def _row(sandbox: Sandbox) -> dict[str, Any]:
             "timings_ms": {k: round(v * 1e3, 1) for k, v in r.timings.items()}}
 
 
-def cmd_boot(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    node = open_node(args, env, out)
+def cmd_boot(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    node = ctx.sandboxes()
     if not (node.guest_dir / "vmlinuz").exists():
         raise InvalidInput(f"no guest kernel in {node.guest_dir}: build one with `bash {GUEST_BUILD} "
                            f"{node.guest_dir}` (or run `strata sandbox demo`)")
@@ -94,16 +58,18 @@ def cmd_boot(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     return 0
 
 
-def cmd_restore(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    node = open_node(args, env, out)
+def cmd_restore(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    node = ctx.sandboxes()
     with out.status(f"restoring {args.snapshot[:16]}"):
         sb = node.restore(args.snapshot, sid=args.id)
     out.result(_row(sb), f"{sb.sid} running (restored in {sb.timings['restore'] * 1e3:.0f} ms)")
     return 0
 
 
-def cmd_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    node = open_node(args, env, out)
+def cmd_ls(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    node = ctx.sandboxes()
     rows = node.list()
 
     def text() -> str:
@@ -119,8 +85,9 @@ def cmd_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     return 0
 
 
-def cmd_exec(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    node = open_node(args, env, out)
+def cmd_exec(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    node = ctx.sandboxes()
     command = " ".join(args.command)
     if not command:
         raise InvalidInput("no command given: strata sandbox exec SID -- COMMAND...")
@@ -130,20 +97,23 @@ def cmd_exec(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     return result.exit_code
 
 
-def cmd_pause(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    sb = open_node(args, env, out).pause(args.sid)
+def cmd_pause(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    sb = ctx.sandboxes().pause(args.sid)
     out.result(_row(sb), f"{sb.sid} paused in {sb.timings['pause'] * 1e3:.1f} ms")
     return 0
 
 
-def cmd_resume(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    sb = open_node(args, env, out).resume(args.sid)
+def cmd_resume(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    sb = ctx.sandboxes().resume(args.sid)
     out.result(_row(sb), f"{sb.sid} resumed in {sb.timings['resume'] * 1e3:.1f} ms")
     return 0
 
 
-def cmd_snapshot(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    node = open_node(args, env, out)
+def cmd_snapshot(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    node = ctx.sandboxes()
     with out.status(f"snapshotting {args.sid}"):
         snapshot_id = node.snapshot(args.sid, resume=False if args.pause else None)
     t = node.registry.load(args.sid).timings
@@ -154,8 +124,9 @@ def cmd_snapshot(args: argparse.Namespace, env: dict[str, str], out: Output) -> 
     return 0
 
 
-def cmd_fork(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    node = open_node(args, env, out)
+def cmd_fork(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    node = ctx.sandboxes()
     started = time.monotonic()
     with out.status(f"forking {args.sid} x{args.count}"):
         forks = node.fork(args.sid, args.count)
@@ -166,8 +137,9 @@ def cmd_fork(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     return 0
 
 
-def cmd_kill(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    node = open_node(args, env, out)
+def cmd_kill(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
+    node = ctx.sandboxes()
     sids = [r["sid"] for r in node.list()] if args.all else args.sid
     if not sids and not args.all:
         raise InvalidInput("name the sandboxes to kill, or pass --all")
@@ -177,12 +149,12 @@ def cmd_kill(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
+def cmd_demo(args: argparse.Namespace, ctx: NodeContext) -> int:
+    out = ctx.out
     """Build the guest, import its rootfs, boot, write, snapshot, fork, check isolation, clean up."""
     from layerstore.importer import import_image
 
-    config = node_config(args, env)
-    guest = config.guest_dir
+    guest = ctx.config.guest_dir
     steps: list[tuple[str, str]] = []
 
     def step(name: str, detail: str) -> None:
@@ -194,7 +166,7 @@ def cmd_demo(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
         built = subprocess.run(["bash", str(GUEST_BUILD), str(guest)], capture_output=True, text=True)
     if built.returncode != 0:
         raise StrataError(f"guest build failed: {(built.stderr.strip().splitlines() or ['?'])[-1]}")
-    node = open_sandboxes(config, env, out)
+    node = ctx.sandboxes()
     with out.progress(f"importing {DEMO_IMAGE}") as (advance, set_total):
         imported = import_image(node.store, guest / "rootfs.ext4", DEMO_IMAGE, progress=advance, on_total=set_total)
     step("import", f"{DEMO_IMAGE}: {human_bytes(imported.size)} rootfs, "
@@ -245,11 +217,9 @@ def cmd_demo(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     return 0
 
 
-def register(nouns: Any, verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
+def register(nouns: Any, common: argparse.ArgumentParser) -> None:
     """Add `strata sandbox ...` to the `strata` parser."""
-    node = argparse.ArgumentParser(add_help=False)
-    node.add_argument("--mount", metavar="DIR", help="the node's mount (env STRATA_MOUNT; default "
-                                                     "$STRATA_STATE_DIR/mnt, started on first use)")
+    node = argparse.ArgumentParser(add_help=False, parents=[mount_option()])
     node.add_argument("--guest-dir", metavar="DIR", help="guest kernel + initramfs (env STRATA_GUEST_DIR; "
                                                          "default $STRATA_STATE_DIR/guest)")
     node.add_argument("--vmm", choices=BACKENDS, help="VMM backend (env STRATA_VMM; default qemu)")
@@ -268,11 +238,12 @@ def register(nouns: Any, verbs: dict[str, Any], common: argparse.ArgumentParser)
     p.set_defaults(func=cmd_restore)
     p = sv.add_parser("ls", parents=parents, help="list this node's sandboxes")
     p.set_defaults(func=cmd_ls)
-    p = sv.add_parser("exec", parents=parents, help="run a shell command in a sandbox; exits with its code")
+    p = sv.add_parser("exec", parents=parents, help="run a shell command in a sandbox; exits with its code "
+                                                       "(255 when strata itself fails)")
     p.add_argument("sid", metavar="SID")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     p.add_argument("--timeout", type=float, default=60.0)
-    p.set_defaults(func=cmd_exec)
+    p.set_defaults(func=cmd_exec, error_exit=EXIT_EXEC_FAILED)
     for verb, func, text in (("pause", cmd_pause, "stop a sandbox's vCPUs"),
                              ("resume", cmd_resume, "continue a paused sandbox")):
         p = sv.add_parser(verb, parents=parents, help=text)

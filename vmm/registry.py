@@ -100,6 +100,15 @@ class Registry:
                 continue
         return sorted(records, key=lambda r: (r.created, r.sid))
 
+    def snapshot_users(self) -> dict[str, list[str]]:
+        """Snapshot id -> the paused sandboxes that wake from it ("paused sandbox SID"):
+        deleting such a snapshot would lose the sandbox."""
+        users: dict[str, list[str]] = {}
+        for record in self.all():
+            if record.state == "suspended" and record.last_snapshot:
+                users.setdefault(record.last_snapshot, []).append(f"paused sandbox {record.sid}")
+        return users
+
     def remove(self, sid: str) -> None:
         shutil.rmtree(self.workdir(sid), ignore_errors=True)
 

@@ -1,0 +1,111 @@
+"""Where a node is put together: the one place that wires store, mount, VMM
+backend, sandboxes and API service from one `NodeConfig`.
+
+    NodeConfig (file + environment + flags, read once by api/cli.py)
+        |
+    NodeContext
+        open_store()  -> Store: RetryingBackend(own store) read through
+                          peers, then the remote (layerstore.store.open_store)
+        mount_client()-> MountClient of the node's FUSE daemon (fusefs)
+        sandboxes()   -> Sandboxes(store, mount started if needed,
+                          VMM backend, guest dir, work root)   (vmm)
+        node()        -> api.node.Node: lifetimes, pools, metrics  (api)
+
+Every `strata` command gets a NodeContext and asks it only for what it
+needs (a store command never starts a mount); lower packages describe what
+they use of it as Protocols (layerstore.cli.StoreContext,
+vmm.cli.NodeContext), so none of them imports this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fusefs.client import DaemonError, MountClient, mount
+from layerstore.chunk import DEFAULT_LEVEL
+from layerstore.cli import Output
+from layerstore.config import NodeConfig
+from layerstore.errors import InvalidInput
+from layerstore.reach import Name
+from layerstore.store import Store, open_store
+from vmm.backend import open_backend
+from vmm.registry import Registry
+from vmm.sandbox import Sandboxes
+
+
+class NodeContext:
+    """One node's parts, each built on first use from one NodeConfig."""
+
+    def __init__(self, config: NodeConfig, out: Output) -> None:
+        self.config = config
+        self.out = out
+        self._sandboxes: Sandboxes | None = None
+
+    def open_store(self, spec: str | None = None, *, level: int | None = None) -> Store:
+        """The node's store (`spec` None), or another store (a push target, a
+        pull source). Only the node's own store reads through peers and the
+        remote: another store is opened bare."""
+        own = spec is None or spec == self.config.store
+        options = self.config.store_options()
+        if not own:
+            options.update(remote="", peers=())
+        return open_store(spec or self.config.store, level=level or DEFAULT_LEVEL, **options)
+
+    def mount_client(self, mountpoint: Path | None = None) -> MountClient:
+        """The control client of the daemon serving `mountpoint` (default: the node's mount)."""
+        return MountClient(mountpoint or self.config.mount, run_dir=self.config.run_dir)
+
+    def node_roots(self, store: Store) -> list[Name]:
+        """The layers this node's sandbox disks sit on, if its mount serves `store`."""
+        client = self.mount_client()
+        try:
+            if client.ping().store != store.describe():
+                return []
+            return [Name("layer", m) for m in client.disk_layers()]
+        except DaemonError:
+            return []
+
+    def node_snapshot_users(self) -> dict[str, list[str]]:
+        return Registry(self.config.state_dir / "sandboxes").snapshot_users()
+
+    def sandboxes(self) -> Sandboxes:
+        """The node's sandboxes (the mount is started if none serves yet)."""
+        if self._sandboxes is None:
+            store = self.open_store()
+            client = ensure_mount(self.config, store.describe(), self.out)
+            self._sandboxes = Sandboxes(store, self.config.mount, open_backend(self.config.vmm), client,
+                                        guest_dir=self.config.guest_dir,
+                                        work_root=self.config.state_dir / "sandboxes",
+                                        memory_mib=self.config.sandbox_memory)
+        return self._sandboxes
+
+    def node(self):  # noqa: ANN201 (api.node.Node; imported late: FastAPI's import is slow)
+        """The API's Node over this node's sandboxes, with its metrics watching them."""
+        from .metrics import Metrics
+        from .node import Node
+
+        boxes = self.sandboxes()
+        node = Node(self.config, boxes.store, boxes, Metrics())
+        node.watch_metrics()
+        return node
+
+    def close(self) -> None:
+        if self._sandboxes is not None:
+            self._sandboxes.store.close()
+
+
+def ensure_mount(config: NodeConfig, wanted: str, out: Output) -> MountClient:
+    """The client of the daemon serving the node's mount, started on `config`
+    if none answers; refuses a mount that serves another store than `wanted`
+    (sandboxes would mix two)."""
+    client = MountClient(config.mount, run_dir=config.run_dir)
+    try:
+        served = client.ping().store
+    except DaemonError:
+        config.mount.mkdir(parents=True, exist_ok=True)
+        with out.status(f"mounting {wanted} at {config.mount}"):
+            mount(config.mount, config=config)
+        return client
+    if served != wanted:
+        raise InvalidInput(f"{config.mount} serves {served}, not {wanted}: pass --mount for another mount point")
+    return client
