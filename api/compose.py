@@ -73,10 +73,10 @@ class NodeContext:
         if self._sandboxes is None:
             store = self.open_store()
             client = ensure_mount(self.config, store.describe(), self.out)
-            self._sandboxes = Sandboxes(store, self.config.mount, open_backend(self.config.vmm), client,
-                                        guest_dir=self.config.guest_dir,
-                                        work_root=self.config.state_dir / "sandboxes",
-                                        memory_mib=self.config.sandbox_memory)
+            c = self.config
+            backend = open_backend(c.vmm, accel=c.accel, state_dir=c.state_dir)
+            self._sandboxes = Sandboxes(store, c.mount, backend, client, guest_dir=c.guest_dir,
+                                        work_root=c.state_dir / "sandboxes", memory_mib=c.sandbox_memory)
         return self._sandboxes
 
     def node(self):  # noqa: ANN201 (api.node.Node; imported late: FastAPI's import is slow)

@@ -97,9 +97,10 @@ class VmmBackend(Protocol):
 BACKENDS = ("qemu", "firecracker")
 
 
-def open_backend(name: str, *, accel: str = "") -> VmmBackend:
+def open_backend(name: str, *, accel: str = "", state_dir: Path | None = None) -> VmmBackend:
     """The backend called `name` (config `vmm`), imported only when chosen;
-    `accel` forces QEMU's accelerator (config `accel`; empty: probe)."""
+    `accel` forces the accelerator (config `accel`; empty: probe);
+    Firecracker keeps the vmlinux files it extracts under `state_dir`."""
     from .accel import detect
 
     if name == "qemu":
@@ -109,7 +110,8 @@ def open_backend(name: str, *, accel: str = "") -> VmmBackend:
     if name == "firecracker":
         from .firecracker import FirecrackerBackend
 
-        return FirecrackerBackend(accel=detect(forced=accel))
+        return FirecrackerBackend(accel=detect(forced=accel),
+                                  kernel_cache=state_dir / "vmlinux" if state_dir is not None else None)
     from layerstore.errors import InvalidInput
 
     raise InvalidInput(f"unknown VMM backend {name!r}: choose one of {', '.join(BACKENDS)}")

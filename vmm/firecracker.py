@@ -251,7 +251,8 @@ def extract_vmlinux(image: bytes) -> bytes:
 
 
 def default_kernel_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata" / "vmlinux"
+    """Where extracted vmlinux files go when no node state dir is given (tests, scripts)."""
+    return Path.home() / ".cache" / "strata" / "vmlinux"
 
 
 def ensure_vmlinux(kernel: Path, cache_dir: Path) -> Path:
