@@ -200,3 +200,38 @@ def test_config_file_selects_store(tmp_path: Path) -> None:
     assert (tmp_path / "cfgstore" / "objects" / "refs" / "c" / "1").exists()
     config.write_text('bogus = 1\n')
     _one_line_error(run(["image", "ls"], {"STRATA_CONFIG": str(config)}), 1, "unknown key")
+
+
+def test_template_and_snapshot_nouns(tmp_path: Path) -> None:
+    env = {"STRATA_STORE": str(tmp_path / "s"), "STRATA_STATE_DIR": str(tmp_path / "state")}
+    write_image(tmp_path / "a.img", "rp")
+    assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], env).returncode == 0
+    r = run(["template", "create", "base", "--image", "a:1", "--json"], env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) | {"created": 0} == {"name": "base", "kind": "image", "target": "a:1", "created": 0}
+    assert [t["name"] for t in json.loads(run(["template", "ls", "--json"], env).stdout)] == ["base"]
+    _one_line_error(run(["template", "create", "bad", "--image", "missing:1"], env), 1, "missing:1")
+    _one_line_error(run(["template", "create", "bad", "--snapshot", "ab" * 32], env), 1, "not found")
+    assert json.loads(run(["snapshot", "ls", "--json"], env).stdout) == []
+    _one_line_error(run(["snapshot", "inspect", "nope"], env), 1, "not found")
+    _one_line_error(run(["snapshot", "rm", "cd" * 32], env), 1, "not found")
+    assert run(["template", "rm", "base"], env).returncode == 0
+    assert json.loads(run(["template", "ls", "--json"], env).stdout) == []
+    _one_line_error(run(["template", "rm", "base"], env), 1, "base")
+
+
+def test_push_and_pull_default_to_the_configured_remote(tmp_path: Path) -> None:
+    env = {"STRATA_STORE": str(tmp_path / "s"), "STRATA_STATE_DIR": str(tmp_path / "state")}
+    write_image(tmp_path / "a.img", "rp")
+    assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], env).returncode == 0
+    _one_line_error(run(["push", "a:1"], env), 1, "STRATA_REMOTE")
+    config = tmp_path / "config.toml"
+    config.write_text(f'remote = "{tmp_path / "remote"}"\n')  # in the file only: the file is read too
+    env["STRATA_CONFIG"] = str(config)
+    r = run(["push", "a:1", "--json"], env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["chunks_sent"] == 2
+    other = {**env, "STRATA_STORE": str(tmp_path / "other")}
+    r = run(["pull", "a:1", "--full", "--json"], other)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["chunks_sent"] == 2
