@@ -20,20 +20,23 @@ So a reader that follows a ref never meets a dangling reference, and a crash
 at any point leaves at worst unreferenced chunks, which GC reclaims.
 
 `open_store` turns a store spec (a path or `s3://BUCKET/PREFIX`) and explicit
-settings into a `Store`. It assembles the node's read path from backend
-wrappers (layerstore/backend.py, readthrough.py, peers.py):
+settings into a `Store`: its own backend, and the read path it assembles from
+backend wrappers (layerstore/backend.py, readthrough.py, peers.py):
 
-    Store.read_chunk(d)
-      -> ReadThroughBackend            counts sources; verifies what fallbacks send
-           primary:  RetryingBackend(LocalDirBackend | S3Backend)     "local"
-           fallback: Peer(url) ... one per STRATA_PEERS entry, best effort,
-                     cooling down on failure                         "peer"
-           fallback: RetryingBackend(remote store)                   "remote"
+    Store.backend = RetryingBackend(LocalDirBackend | S3Backend)      own objects
+
+    Store.read_chunk(d), Store.missing_chunks
+      -> Store.read_path = ReadThroughBackend    counts sources; verifies what fallbacks send
+           primary:  Store.backend                                    "local"
+           fallback: Peer(url) ... one per peer, best effort,
+                     cooling down on failure                          "peer"
+           fallback: RetryingBackend(remote store)                    "remote"
       -> decode_chunk: zstd + blake3 against d (MissingChunk / CorruptObject)
 
-Everything but a chunk `get` (puts, lists, deletes, existence checks, and
-gets of manifests, refs and the rest) reaches the primary only, so this
-store's leases, GC and publication checks speak about its own objects.
+Only chunk reads take the read path. Everything else (puts, lists, deletes,
+existence checks, manifests, refs, and the chunk objects a node serves its
+peers or pushes) is `Store.backend`, this store's own objects, so its leases,
+GC and publication checks speak about one store and peers never relay.
 """
 
 from __future__ import annotations
@@ -81,41 +84,43 @@ def chunk_read_path(primary: Backend, fallbacks: Sequence[Fallback] = ()) -> Rea
 class Store:
     """Chunks, manifests and refs kept in a `Backend`, with a local `Catalog`.
 
-    Where chunks this store lacks are read from is the backend's business: a
-    `ReadThroughBackend` (what `open_store` builds) asks peers and a remote
-    store after this store's own objects. Every chunk, whatever its source,
-    is verified before it is returned; nothing is written back (caching is
-    the mount's chunk cache's job).
+    `backend` holds this store's own objects. `read_path` (default: the
+    backend alone) is where chunks are read from: a ReadThroughBackend over
+    `backend` whose fallbacks (peers, a remote store) serve what it lacks.
+    Every chunk, whatever its source, is verified before it is returned;
+    nothing is written back (caching is the mount's chunk cache's job).
     """
 
-    def __init__(self, backend: Backend, catalog: Catalog, *, level: int = DEFAULT_LEVEL) -> None:
+    def __init__(self, backend: Backend, catalog: Catalog, *, level: int = DEFAULT_LEVEL,
+                 read_path: ReadThroughBackend | None = None) -> None:
+        if read_path is not None and read_path.primary is not backend:
+            raise ValueError("a store's read path must read its own backend first")
         self.backend = backend
         self.catalog = catalog
         self.level = level
-        self._no_counts: collections.Counter[str] = collections.Counter()
+        self.read_path = read_path or chunk_read_path(backend)
 
     @property
     def sources(self) -> collections.Counter[str]:
         """Where chunks read by this process came from: local, peer, remote; peer_rejected
-        counts objects that failed verification. Empty unless the backend reads through."""
-        return self.backend.counts if isinstance(self.backend, ReadThroughBackend) else self._no_counts
+        counts objects that failed verification (the mount daemon reports these)."""
+        return self.read_path.counts
 
     @property
     def remote(self) -> Source | None:
         """Transitional, for api/app.py's lazy-pull check (which should ask its config's `remote`
         instead): the read path's remote store, or None. Remove once nothing reads it."""
-        fallbacks = self.backend.fallbacks if isinstance(self.backend, ReadThroughBackend) else ()
-        return next((f.source for f in fallbacks if f.label == "remote"), None)
+        return next((f.source for f in self.read_path.fallbacks if f.label == "remote"), None)
 
     def describe(self) -> str:
         return self.backend.describe()
 
     def describe_read_path(self) -> str:
         """Every store a chunk read may ask, in order."""
-        return self.backend.describe_path() if isinstance(self.backend, ReadThroughBackend) else self.describe()
+        return self.read_path.describe_path()
 
     def close(self) -> None:
-        self.backend.close()
+        self.read_path.close()  # the backend and every fallback
         self.catalog.close()
 
     def __enter__(self) -> "Store":
@@ -128,7 +133,7 @@ class Store:
     def read_chunk(self, digest: str) -> bytes:
         """Fetch, decompress and verify one chunk through the read path. Raises MissingChunk / CorruptObject."""
         try:
-            blob = self.backend.get(chunk_key(digest))
+            blob = self.read_path.get(chunk_key(digest))
         except NotFound:
             raise MissingChunk(f"chunk {digest} is missing from {self.describe_read_path()}") from None
         return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
@@ -162,10 +167,7 @@ class Store:
         For a restore's completeness check; never for dedup (see `local_missing_chunks`).
         """
         wanted = {chunk_key(d): d for d in digests}
-        if isinstance(self.backend, ReadThroughBackend):
-            present = self.backend.readable_many(wanted)
-        else:
-            present = self.backend.has_many(wanted)
+        present = self.read_path.readable_many(wanted)
         return {d for k, d in wanted.items() if k not in present}
 
     # manifests ----------------------------------------------------------------
@@ -550,7 +552,8 @@ def open_store(
         for fallback in fallbacks:
             fallback.source.close()
         raise
-    return Store(chunk_read_path(RetryingBackend(inner, attempts=retry_attempts), fallbacks), catalog, level=level)
+    own = RetryingBackend(inner, attempts=retry_attempts)
+    return Store(own, catalog, level=level, read_path=chunk_read_path(own, fallbacks))
 
 
 def open_backend(spec: str, *, endpoint: str = "", region: str = "", path_style: bool = True,

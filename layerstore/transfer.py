@@ -92,7 +92,7 @@ def copy(
                 try:
                     blob = src.backend.get(chunk_key(digest))
                 except NotFound:
-                    raise MissingChunk(f"chunk {digest} is missing from {src.describe_read_path()}") from None
+                    raise MissingChunk(f"chunk {digest} is missing from {src.describe()}") from None
                 decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)  # CorruptObject before anything is written
                 dst.put_chunk_object(digest, blob)
                 if progress is not None:

@@ -15,7 +15,7 @@ def test_a_local_store_reads_no_environment(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv("STRATA_REMOTE", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("STRATA_PEERS", "http://127.0.0.1:9")
     with open_store(str(tmp_path / "s")) as store:
-        assert isinstance(store.backend, ReadThroughBackend) and store.backend.fallbacks == ()
+        assert isinstance(store.read_path, ReadThroughBackend) and store.read_path.fallbacks == ()
         assert store.describe_read_path() == store.describe()
 
 
@@ -23,11 +23,11 @@ def test_the_read_path_is_peers_then_the_remote(tmp_path: Path) -> None:
     open_store(str(tmp_path / "remote")).close()
     with open_store(str(tmp_path / "s"), remote=str(tmp_path / "remote"), peers=["http://a:1", "http://b:2"],
                     peer_key="k" * 8) as store:
-        assert [f.label for f in store.backend.fallbacks] == ["peer", "peer", "remote"]
+        assert [f.label for f in store.read_path.fallbacks] == ["peer", "peer", "remote"]
         assert store.describe_read_path() == (f"{tmp_path / 's'} -> peer http://a:1 -> peer http://b:2 -> "
                                               f"remote {tmp_path / 'remote'}")
     with open_store(str(tmp_path / "s"), remote=str(tmp_path / "s")) as store:  # itself: no fallback
-        assert store.backend.fallbacks == ()
+        assert store.read_path.fallbacks == ()
 
 
 def test_an_s3_store_needs_a_state_dir(tmp_path: Path) -> None:

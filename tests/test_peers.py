@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from layerstore.chunk import chunk_key
-from layerstore.errors import MissingChunk
+from layerstore.errors import MissingChunk, NotFound
 from layerstore.importer import import_image
 from layerstore.localdir import LocalDirBackend
 from layerstore.peers import Peers
@@ -78,6 +78,8 @@ def test_peer_first_then_remote(origin, tmp_path: Path) -> None:  # noqa: ANN001
     for d in digests:
         assert node.read_chunk(d) == src.read_chunk(d)
     assert node.sources["peer"] == 1 and node.sources["remote"] == 2 and node.sources["local"] == 0
+    with pytest.raises(NotFound):  # what a node serves its peers is its own objects: it never relays
+        node.backend.get(chunk_key(digests[0]))
     honest.close()
     node.close()
 

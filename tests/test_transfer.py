@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def local_store(path: Path, remote: Backend | None = None, peers: Peers | None = None) -> Store:
     """A local store whose chunk reads fall back to `peers`, then `remote` (as open_store builds it)."""
     fallbacks = [*(peers.fallbacks() if peers else []), *([Fallback("remote", remote)] if remote else [])]
-    return Store(chunk_read_path(RetryingBackend(LocalDirBackend(path / "objects"), attempts=2, base_delay=0.01),
-                                 fallbacks), Catalog(path / "catalog"))
+    own = RetryingBackend(LocalDirBackend(path / "objects"), attempts=2, base_delay=0.01)
+    return Store(own, Catalog(path / "catalog"), read_path=chunk_read_path(own, fallbacks))
 
 
 @pytest.fixture
