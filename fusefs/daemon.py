@@ -36,7 +36,7 @@ import trio
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import Ref, parse_ref
-from layerstore.store import Store, open_store, state_dir
+from layerstore.store import Store, open_store, settings_from_env, state_dir
 
 from .cache import ChunkCache
 from .control import check_mountpoint, control_socket
@@ -46,7 +46,6 @@ from .upper import SealTicket, UpperLayer, check_sid
 from .view import LayerView
 
 log = logging.getLogger("strata.fusefs")
-PREFETCH_PREFIX = "prefetch/"
 
 
 class Catalogue:
@@ -98,14 +97,11 @@ class Catalogue:
                 return
             self._prefetched.add(view.manifest_id)
         try:
-            blob = self.store.backend.get(PREFETCH_PREFIX + view.manifest_id)
-            indices = [int(i) for i in json.loads(blob)]
-        except (NotFound, ValueError, TypeError):
-            return
+            indices = self.store.get_prefetch(view.manifest_id)
         except StrataError as exc:
             log.warning("prefetch list of %s unreadable: %s", view.manifest_id, exc)
             return
-        for index in indices:
+        for index in indices or ():
             digest = view.chunks.get(index)
             if digest is not None:
                 self.schedule_prefetch(digest)
@@ -113,7 +109,7 @@ class Catalogue:
     def record_prefetch(self, ref: Ref) -> dict[str, Any]:
         view = self.view_for_ref(ref)
         indices = list(view.touched)
-        self.store.backend.put(PREFETCH_PREFIX + view.manifest_id, json.dumps(indices).encode())
+        self.store.put_prefetch(view.manifest_id, indices)
         return {"image": str(ref), "manifest": view.manifest_id, "chunks": len(indices)}
 
     # sandboxes --------------------------------------------------------------
@@ -390,7 +386,7 @@ def serve(args: argparse.Namespace, ready: Callable[[], None]) -> None:
             sock.unlink(missing_ok=True)
     if not os.path.exists("/dev/fuse"):
         raise StrataError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
-    store = open_store(args.store)
+    store = open_store(args.store, **settings_from_env(os.environ))  # the daemon process's top: its environment
     cache = ChunkCache(Path(args.cache_dir), capacity=args.cache_size)
     upper_root = Path(args.upper_dir) if args.upper_dir else state_dir() / "uppers"
     cat = Catalogue(store, cache, upper_root)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, TypeVar, runtime_checkable
@@ -163,6 +164,57 @@ class RetryingBackend:
 
     def describe(self) -> str:
         return self.inner.describe()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class DryRunBackend:
+    """Records writes instead of doing them; reads pass through.
+
+    What a dry run of a maintenance job (GC) needs: the job runs its real code
+    path, including its lock and bookkeeping writes, and the store is left as
+    it was. `deleted` and `written` say what would have been deleted and put.
+    Reads do not see the recorded writes, so this is not a `Backend` by the
+    contract (a `get` after a `put` does not return it): use it only for jobs
+    that read before they write, as GC does.
+    """
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.deleted: list[str] = []
+        self.written: list[str] = []
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes) -> None:
+        check_key(key)
+        with self._lock:
+            self.written.append(key)
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        with self._lock:
+            self.deleted.append(key)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            self.deleted.extend(keys)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def stat(self, key: str) -> int | None:
+        return self.inner.stat(key)
+
+    def has_many(self, keys: Iterable[str]) -> set[str]:
+        return self.inner.has_many(keys)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} (dry run)"
 
     def close(self) -> None:
         self.inner.close()

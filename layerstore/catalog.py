@@ -6,7 +6,9 @@ sizes, manifest bodies (so mounting reads no network), and the refs last seen.
 It is never the authority on whether a chunk exists in a shared store: the
 importer asks the backend before it publishes a manifest, because another
 node's GC may have removed what the catalog remembers. Losing the catalog
-loses nothing; `Store.rebuild_catalog()` re-derives it from the backend.
+loses nothing: nothing rebuilds it wholesale, each entry is learnt again
+from the backend when next needed (a manifest on its next load, a chunk's
+sizes on its next import, a ref when it is next set).
 
 Schema (one LMDB environment, named sub-databases, all keys bytes):
 
@@ -124,7 +126,7 @@ class Catalog:
         return iter(items)
 
     def clear(self) -> None:
-        """Forget everything (used by rebuild)."""
+        """Forget everything: the store's objects stay, each entry is re-learnt when next needed."""
         with self.env.begin(write=True) as txn:
             for db in (self._chunks, self._manifests, self._refs):
                 txn.drop(db, delete=False)

@@ -17,7 +17,10 @@ An unmarked object is deleted only when all of these hold:
 Deletion removes manifests before chunks, so a GC that dies midway leaves
 unreferenced chunks, never a manifest naming a missing one: the store stays
 valid and the next run finishes the job. `plan` is pure (reads only);
-`apply` refuses to delete while leases are live.
+`collect` runs it, then takes the GC lock and deletes nothing while leases
+are live. A dry run is the same `collect` over a `DryRunBackend`, which
+records the writes (lock, deletions, candidates) instead of doing them, so
+it reports what a real run would do through the real run's code.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .chunk import chunk_key
+from .backend import Backend, DryRunBackend
+from .chunk import CHUNK_PREFIX, chunk_key
 from .errors import NotFound, StrataError
 from .lease import LEASE_PREFIX, GcLock, live_leases, read_record
+from .manifest import MANIFEST_PREFIX, manifest_key
 from .reach import Closure, Name
 from .store import Store
 
 CANDIDATES = "gc/candidates"
-SWEPT_PREFIXES = ("manifests/", "chunks/")
+SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX)
 DEFAULT_GRACE = 24 * 3600.0
 DELETE_BATCH = 1000  # keys per delete_many (S3's DeleteObjects limit)
 
@@ -85,7 +90,7 @@ def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str]]
             closure.add(store, name, strict=False)
         except NotFound:  # a template naming a deleted image: nothing to keep for it
             closure.missing.append(f"{name.kind} {name.value}")
-    keys = {f"manifests/{m}" for m in closure.layers}
+    keys = {manifest_key(m) for m in closure.layers}
     keys |= {chunk_key(d) for d in closure.chunks}
     return keys, closure.missing
 
@@ -132,49 +137,61 @@ def collect(
     now: float | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> GcReport:
-    """Run one GC: plan, then (unless `dry_run`) record candidates and delete what may go."""
+    """Run one GC: plan, then record candidates and delete what may go.
+
+    With `dry_run` every write (the lock, deletions, the candidate record,
+    expired leases) goes to a DryRunBackend and is only recorded.
+    """
     started = time.monotonic()
     extra = list(extra_roots)
     p = plan(store, grace=grace, now=now, extra_roots=extra)
+    backend: Backend = DryRunBackend(store.backend) if dry_run else store.backend
+    deleted, freed, postponed = _sweep(store, backend, p, extra, progress)
+    return GcReport(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
+                    deletable=len(p.deletable), deleted=0 if dry_run else deleted, freed_bytes=0 if dry_run else freed,
+                    retained=len(p.young), postponed=postponed, missing=p.missing, dry_run=dry_run,
+                    seconds=time.monotonic() - started)
+
+
+def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
+           progress: Callable[[int], None] | None) -> tuple[int, int, str]:
+    """Under the GC lock: delete what `p` found deletable and is still unmarked; (deleted, freed, postponed)."""
     deleted = freed = 0
     postponed = ""
-    if not dry_run:
-        lock = GcLock(store.backend)
-        other = lock.acquire()
-        if other is not None:
-            raise StrataError(f"another GC ({other['holder']}) is running on {store.describe()}")
-        try:
-            leases = live_leases(store.backend)
-            if leases:
-                postponed = f"{len(leases)} live lease(s), e.g. {next(iter(leases.values())).get('what', '?')}"
-                doomed: list[str] = []
-            else:
-                again, _missing = mark(store, extra)  # re-check right before deleting
-                doomed = [k for k in p.deletable if k not in again]
-            # manifests first: a crash midway leaves orphan chunks, never a manifest without its chunks
-            manifests = sorted(k for k in doomed if k.startswith("manifests/"))
-            chunks = sorted(k for k in doomed if not k.startswith("manifests/"))
-            for kind in (manifests, chunks):
-                for start in range(0, len(kind), DELETE_BATCH):
-                    batch = kind[start:start + DELETE_BATCH]
-                    store.backend.delete_many(batch)
-                    for key in batch:
-                        if key.startswith("manifests/"):
-                            store.catalog.forget_manifest(key.split("/", 1)[1])
-                        freed += p.sizes.get(key, 0)
-                    deleted += len(batch)
-                    if progress is not None:
-                        progress(len(batch))
-                    lock.renew()
-            gone = set(doomed)
-            remaining = {k: v for k, v in p.candidates.items() if k not in gone}
-            store.backend.put(CANDIDATES, json.dumps(remaining, sort_keys=True).encode())
-            for info in store.backend.list(LEASE_PREFIX):  # expired leases: their holders died
-                record = read_record(store.backend, info.key)
-                if record is not None and float(record["expires"]) <= time.time():
-                    store.backend.delete(info.key)
-        finally:
-            lock.release()
-    return GcReport(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
-                  deletable=len(p.deletable), deleted=deleted, freed_bytes=freed, retained=len(p.young), postponed=postponed,
-                  missing=p.missing, dry_run=dry_run, seconds=time.monotonic() - started)
+    lock = GcLock(backend)
+    other = lock.acquire()
+    if other is not None:
+        raise StrataError(f"another GC ({other['holder']}) is running on {store.describe()}")
+    try:
+        leases = live_leases(backend)
+        if leases:
+            postponed = f"{len(leases)} live lease(s), e.g. {next(iter(leases.values())).get('what', '?')}"
+            doomed: list[str] = []
+        else:
+            again, _missing = mark(store, extra)  # re-check right before deleting
+            doomed = [k for k in p.deletable if k not in again]
+        # manifests first: a crash midway leaves orphan chunks, never a manifest without its chunks
+        manifests = sorted(k for k in doomed if k.startswith(MANIFEST_PREFIX))
+        chunks = sorted(k for k in doomed if not k.startswith(MANIFEST_PREFIX))
+        for kind in (manifests, chunks):
+            for start in range(0, len(kind), DELETE_BATCH):
+                batch = kind[start:start + DELETE_BATCH]
+                backend.delete_many(batch)
+                for key in batch:
+                    if key.startswith(MANIFEST_PREFIX):  # the catalog is a cache: forgetting is always safe
+                        store.catalog.forget_manifest(key.removeprefix(MANIFEST_PREFIX))
+                    freed += p.sizes.get(key, 0)
+                deleted += len(batch)
+                if progress is not None:
+                    progress(len(batch))
+                lock.renew()
+        gone = set(doomed)
+        remaining = {k: v for k, v in p.candidates.items() if k not in gone}
+        backend.put(CANDIDATES, json.dumps(remaining, sort_keys=True).encode())
+        for info in backend.list(LEASE_PREFIX):  # expired leases: their holders died
+            record = read_record(backend, info.key)
+            if record is not None and float(record["expires"]) <= time.time():
+                backend.delete(info.key)
+    finally:
+        lock.release()
+    return deleted, freed, postponed

@@ -3,7 +3,7 @@
 Pipeline, per window of chunks (a window bounds memory):
 
     pread (holes skipped via SEEK_DATA) -> zero check -> blake3      hash pool
-    one batched existence check for the window's new digests          backend
+    one batched existence check for the window's new digests          own store
     zstd + put for the chunks the store lacks                         upload pool
 
 pread, blake3 and zstd all release the GIL, so the pools use every core.
@@ -230,7 +230,8 @@ def import_image(
                     if digest not in seen:
                         seen.add(digest)
                         fresh[digest] = (index, blob, n)
-                missing = store.missing_chunks(fresh) if fresh else set()
+                # local only: under this import's lease, a chunk some other store holds is not stored
+                missing = store.local_missing_chunks(fresh) if fresh else set()
                 for digest in missing:
                     inflight.acquire()
                     put_pool.submit(upload, digest, *fresh[digest])

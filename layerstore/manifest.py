@@ -71,10 +71,13 @@ def check_chunk_size(chunk_size: int) -> int:
     return chunk_size
 
 
+MANIFEST_PREFIX = "manifests/"
+
+
 def manifest_key(manifest_id: str) -> str:
     """The object key of the manifest with this id (validated)."""
     check_digest(manifest_id, what="manifest id")
-    return f"manifests/{manifest_id}"
+    return f"{MANIFEST_PREFIX}{manifest_id}"
 
 
 @dataclass(frozen=True)

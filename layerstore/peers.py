@@ -1,15 +1,18 @@
-"""Peer fetch: read chunks from other nodes before the shared store.
+"""Peer fetch: other nodes as read-through sources of chunks.
 
 A node serves the chunk objects its own store holds at `GET /chunks/{digest}`
-(authenticated, api/app.py). A node missing a chunk asks its peers first,
-one at a time with short timeouts, and falls back to the remote store:
+(authenticated, api/app.py). A node's read path (store.open_store) asks its
+peers, one at a time with short timeouts, after its own store and before
+the remote store:
 
-    Store.read_chunk: own store -> peers (in order, a failing peer is skipped
-                      for `cooldown` seconds) -> remote store
+    ReadThroughBackend(own store, [peer, peer, ..., remote])
 
-Nothing a peer returns is trusted: the object is decoded and its blake3
-compared with the digest asked for before use (Store.read_chunk), so a
-lying or broken peer costs a retry elsewhere, never a corrupt byte.
+Each `Peer` is a best-effort `Source` (layerstore/readthrough.py): a peer
+that is down, refuses us or sends an object that fails verification sits
+out `cooldown` seconds, during which asking it costs nothing (a miss). Nothing
+a peer returns is trusted: ReadThroughBackend decodes it and compares its
+blake3 with the digest asked for before use, so a lying or broken peer
+costs a retry elsewhere, never a corrupt byte.
 """
 
 from __future__ import annotations
@@ -22,18 +25,35 @@ from collections.abc import Iterable
 import httpx
 
 from .chunk import chunk_key
+from .digest import is_digest
 from .errors import BackendUnavailable, NotFound
+from .readthrough import Fallback
 
 log = logging.getLogger("strata.peers")
 
 
 class Peer:
-    """One node's chunk endpoint."""
+    """One node's chunk endpoint, as a read-through `Source` of chunk keys."""
 
-    def __init__(self, url: str, *, api_key: str, timeout: float = 2.0, read_timeout: float = 10.0) -> None:
+    def __init__(self, url: str, *, api_key: str, cooldown: float = 30.0, timeout: float = 2.0,
+                 read_timeout: float = 10.0) -> None:
         self.url = url.rstrip("/")
+        self.cooldown = cooldown
+        self._down_until = 0.0
+        self._lock = threading.Lock()
         self._client = httpx.Client(base_url=self.url, headers={"X-API-Key": api_key},
                                     timeout=httpx.Timeout(read_timeout, connect=timeout))
+
+    def available(self) -> bool:
+        """False while the peer sits out its cooldown after a failure."""
+        with self._lock:
+            return self._down_until <= time.monotonic()
+
+    def failed(self, why: str) -> None:
+        """Skip this peer for `cooldown` seconds."""
+        log.warning("peer %s: %s; skipping it for %.0f s", self.url, why, self.cooldown)
+        with self._lock:
+            self._down_until = time.monotonic() + self.cooldown
 
     def get_chunk(self, digest: str) -> bytes:
         """The peer's stored object for `digest` (unverified); NotFound if it has none."""
@@ -48,28 +68,37 @@ class Peer:
             raise BackendUnavailable(f"peer {self.url} answered {response.status_code}")
         return response.content
 
+    def get(self, key: str) -> bytes:
+        """The object at chunk key `key`; a miss for other keys and while cooling down."""
+        digest = key.rsplit("/", 1)[-1]
+        if not self.available() or not is_digest(digest) or key != chunk_key(digest):
+            raise NotFound(f"peer {self.url} not asked for {key}")
+        return self.get_chunk(digest)
+
+    def has_many(self, keys: Iterable[str]) -> set[str]:
+        """Peers promise nothing: a chunk counts as readable only where a store holds it."""
+        return set()
+
+    def describe(self) -> str:
+        return self.url
+
     def close(self) -> None:
         self._client.close()
 
 
 class Peers:
-    """The peers a node asks, in order; one that fails sits out `cooldown` seconds."""
+    """The peers a node asks, in order."""
 
     def __init__(self, urls: Iterable[str], *, api_key: str, cooldown: float = 30.0, timeout: float = 2.0) -> None:
-        self.peers = [Peer(u, api_key=api_key, timeout=timeout) for u in urls if u.strip()]
-        self.cooldown = cooldown
-        self._down: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self.peers = [Peer(u, api_key=api_key, cooldown=cooldown, timeout=timeout) for u in urls if u.strip()]
 
     def candidates(self) -> list[Peer]:
-        now = time.monotonic()
-        with self._lock:
-            return [p for p in self.peers if self._down.get(p.url, 0.0) <= now]
+        """The peers not sitting out a cooldown."""
+        return [p for p in self.peers if p.available()]
 
-    def failed(self, peer: Peer, why: str) -> None:
-        log.warning("peer %s: %s; skipping it for %.0f s", peer.url, why, self.cooldown)
-        with self._lock:
-            self._down[peer.url] = time.monotonic() + self.cooldown
+    def fallbacks(self) -> list[Fallback]:
+        """The peers as best-effort read-through sources, each cooling down on failure."""
+        return [Fallback("peer", p, best_effort=True, on_failure=p.failed) for p in self.peers]
 
     def describe(self) -> str:
         return ", ".join(p.url for p in self.peers)

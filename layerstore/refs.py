@@ -22,6 +22,7 @@ from .errors import CorruptObject, InvalidInput
 
 _PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DEFAULT_TAG = "latest"
+REF_PREFIX = "refs/"
 
 
 @dataclass(frozen=True, order=True)
@@ -37,7 +38,7 @@ class Ref:
     @property
     def key(self) -> str:
         """The object key this ref is stored under."""
-        return f"refs/{self.name}/{self.tag}"
+        return f"{REF_PREFIX}{self.name}/{self.tag}"
 
 
 def _check_part(part: str, what: str, text: str) -> None:

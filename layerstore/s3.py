@@ -13,7 +13,6 @@ a missing bucket -> BackendError naming it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -31,7 +30,8 @@ _MISSING = {"NoSuchKey", "404", "NotFound"}
 
 @dataclass(frozen=True)
 class S3Config:
-    """Where and how to reach the bucket. Empty strings mean boto3's defaults."""
+    """Where and how to reach the bucket. Empty strings mean boto3's defaults; empty
+    `access_key`/`secret_key` leave the credentials to boto3's default chain."""
 
     bucket: str
     prefix: str = ""
@@ -45,24 +45,15 @@ class S3Config:
     max_connections: int = 32
 
     @classmethod
-    def from_url(cls, url: str, env: dict[str, str] | None = None) -> "S3Config":
-        """Build from `s3://BUCKET/PREFIX` plus STRATA_S3_* / AWS_* variables."""
-        env = dict(os.environ if env is None else env)
+    def from_url(cls, url: str, *, endpoint: str = "", region: str = "", path_style: bool = True) -> "S3Config":
+        """Build from `s3://BUCKET/PREFIX` and the caller's settings (the environment is not read:
+        credentials are left to boto3's default chain)."""
         if not url.startswith("s3://"):
             raise InvalidInput(f"not an s3:// URL: {url!r}")
         bucket, _, prefix = url[5:].partition("/")
         if not bucket:
             raise InvalidInput(f"s3 URL {url!r} names no bucket")
-        path_style = env.get("STRATA_S3_PATH_STYLE", "true").lower() not in ("0", "false", "no", "virtual")
-        return cls(
-            bucket=bucket,
-            prefix=prefix.strip("/"),
-            endpoint=env.get("STRATA_S3_ENDPOINT", "") or env.get("AWS_ENDPOINT_URL", ""),
-            region=env.get("STRATA_S3_REGION", "") or env.get("AWS_REGION", "") or env.get("AWS_DEFAULT_REGION", ""),
-            access_key=env.get("AWS_ACCESS_KEY_ID", ""),
-            secret_key=env.get("AWS_SECRET_ACCESS_KEY", ""),
-            path_style=path_style,
-        )
+        return cls(bucket=bucket, prefix=prefix.strip("/"), endpoint=endpoint, region=region, path_style=path_style)
 
 
 class S3Backend:
@@ -82,10 +73,11 @@ class S3Backend:
                 max_pool_connections=config.max_connections,
                 s3={"addressing_style": "path" if config.path_style else "virtual"},
             )
-            client = boto3.session.Session().client(
+            session = boto3.session.Session()  # its default chain: AWS_* variables, ~/.aws, instance roles
+            client = session.client(
                 "s3",
                 endpoint_url=config.endpoint or None,
-                region_name=config.region or "us-east-1",
+                region_name=config.region or session.region_name or "us-east-1",
                 aws_access_key_id=config.access_key or None,
                 aws_secret_access_key=config.secret_key or None,
                 config=boto_config,

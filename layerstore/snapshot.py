@@ -37,9 +37,12 @@ VM_STR_FIELDS = ("backend", "cmdline")
 VM_LAYER_FIELDS = ("kernel", "initrd")
 
 
+SNAPSHOT_PREFIX = "snapshots/"
+
+
 def snapshot_key(snapshot_id: str) -> str:
     check_digest(snapshot_id, what="snapshot id")
-    return f"snapshots/{snapshot_id}"
+    return f"{SNAPSHOT_PREFIX}{snapshot_id}"
 
 
 @dataclass(frozen=True)

@@ -7,74 +7,120 @@ order that keeps readers safe:
     manifests/<id>          canonical layer manifest (layerstore/manifest.py)
     snapshots/<id>          canonical snapshot manifest (layerstore/snapshot.py)
     refs/<name>/<tag>       {"manifest": id, ...} (layerstore/refs.py)
+    templates/<name>        template (layerstore/templates.py)
+    prefetch/<manifest id>  JSON list of chunk indices a sandbox reads first
 
 1. chunks are put (durable when `put` returns);
 2. a manifest is put only after the backend confirms every chunk it names,
-   and its parent manifest, exist;
+   and its parent manifest, exist in this store (a manifests-only pull
+   alone accepts chunks its read path can serve, see `put_layer`);
 3. a ref is put only after its manifest exists.
 
 So a reader that follows a ref never meets a dangling reference, and a crash
 at any point leaves at worst unreferenced chunks, which GC reclaims.
 
-`open_store` turns a user's store spec (a path or `s3://BUCKET/PREFIX`) into a
-`Store`; the backend is always wrapped in `RetryingBackend`.
+`open_store` turns a store spec (a path or `s3://BUCKET/PREFIX`) and explicit
+settings into a `Store`: its own backend, and the read path it assembles from
+backend wrappers (layerstore/backend.py, readthrough.py, peers.py):
+
+    Store.backend = RetryingBackend(LocalDirBackend | S3Backend)      own objects
+
+    Store.read_chunk(d), Store.missing_chunks
+      -> Store.read_path = ReadThroughBackend    counts sources; verifies what fallbacks send
+           primary:  Store.backend                                    "local"
+           fallback: Peer(url) ... one per peer, best effort,
+                     cooling down on failure                          "peer"
+           fallback: RetryingBackend(remote store)                    "remote"
+      -> decode_chunk: zstd + blake3 against d (MissingChunk / CorruptObject)
+
+Only chunk reads take the read path. Everything else (puts, lists, deletes,
+existence checks, manifests, refs, and the chunk objects a node serves its
+peers or pushes) is `Store.backend`, this store's own objects, so its leases,
+GC and publication checks speak about one store and peers never relay.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from .backend import Backend, RetryingBackend
 from .catalog import Catalog
-from .chunk import DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decode_chunk, encode_chunk
+from .chunk import CHUNK_PREFIX, DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decode_chunk, encode_chunk
 from .digest import check_digest, digest_bytes
 from .config import DEFAULT_STATE_DIR
-from .errors import BackendUnavailable, CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
+from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
-from .refs import Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
-from .snapshot import Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
+from .readthrough import Fallback, ReadThroughBackend, Source
+from .refs import REF_PREFIX, Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
+from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
 from .templates import Template, parse_template, template_key
 
-if TYPE_CHECKING:
-    from .peers import Peers
+PREFETCH_PREFIX = "prefetch/"
 
+
+def _prefetch_key(manifest_id: str) -> str:
+    check_digest(manifest_id, what="manifest id")
+    return f"{PREFETCH_PREFIX}{manifest_id}"
+
+
+def verify_chunk_object(key: str, blob: bytes) -> None:
+    """Raise CorruptObject unless `blob` is the chunk object `key` names (read-through's check)."""
+    decode_chunk(key.rsplit("/", 1)[-1], blob, max_size=MAX_CHUNK_SIZE)
+
+
+def chunk_read_path(primary: Backend, fallbacks: Sequence[Fallback] = ()) -> ReadThroughBackend:
+    """`primary` whose chunk reads fall back to `fallbacks` in order, each object verified."""
+    return ReadThroughBackend(primary, fallbacks, prefix=CHUNK_PREFIX, verify=verify_chunk_object)
 
 
 class Store:
     """Chunks, manifests and refs kept in a `Backend`, with a local `Catalog`.
 
-    `remote` (optional) is where chunks this store lacks are read from: a
-    node's local store after a manifests-only `strata pull`; `peers`
-    (optional, layerstore/peers.py) are other nodes asked first. Every
-    chunk, whatever its source, is verified before it is returned; nothing
-    is written back (caching is the mount's chunk cache's job).
+    `backend` holds this store's own objects. `read_path` (default: the
+    backend alone) is where chunks are read from: a ReadThroughBackend over
+    `backend` whose fallbacks (peers, a remote store) serve what it lacks.
+    Every chunk, whatever its source, is verified before it is returned;
+    nothing is written back (caching is the mount's chunk cache's job).
     """
 
     def __init__(self, backend: Backend, catalog: Catalog, *, level: int = DEFAULT_LEVEL,
-                 remote: Backend | None = None, peers: Peers | None = None) -> None:
+                 read_path: ReadThroughBackend | None = None) -> None:
+        if read_path is not None and read_path.primary is not backend:
+            raise ValueError("a store's read path must read its own backend first")
         self.backend = backend
         self.catalog = catalog
         self.level = level
-        self.remote = remote
-        self.peers = peers
-        # where chunks read by this process came from (local, peer, remote; peer_rejected = failed verification)
-        self.sources: collections.Counter[str] = collections.Counter()
+        self.read_path = read_path or chunk_read_path(backend)
+
+    @property
+    def sources(self) -> collections.Counter[str]:
+        """Where chunks read by this process came from: local, peer, remote; peer_rejected
+        counts objects that failed verification (the mount daemon reports these)."""
+        return self.read_path.counts
+
+    @property
+    def remote(self) -> Source | None:
+        """Transitional, for api/app.py's lazy-pull check (which should ask its config's `remote`
+        instead): the read path's remote store, or None. Remove once nothing reads it."""
+        return next((f.source for f in self.read_path.fallbacks if f.label == "remote"), None)
 
     def describe(self) -> str:
         return self.backend.describe()
 
+    def describe_read_path(self) -> str:
+        """Every store a chunk read may ask, in order."""
+        return self.read_path.describe_path()
+
     def close(self) -> None:
-        self.backend.close()
-        if self.remote is not None:
-            self.remote.close()
-        if self.peers is not None:
-            self.peers.close()
+        self.read_path.close()  # the backend and every fallback
         self.catalog.close()
 
     def __enter__(self) -> "Store":
@@ -85,37 +131,11 @@ class Store:
 
     # chunks -------------------------------------------------------------------
     def read_chunk(self, digest: str) -> bytes:
-        """Fetch, decompress and verify one chunk. Raises MissingChunk / CorruptObject."""
-        key = chunk_key(digest)
+        """Fetch, decompress and verify one chunk through the read path. Raises MissingChunk / CorruptObject."""
         try:
-            blob = self.backend.get(key)
-            self.sources["local"] += 1
-            return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
+            blob = self.read_path.get(chunk_key(digest))
         except NotFound:
-            pass
-        if self.peers is not None:
-            for peer in self.peers.candidates():
-                try:
-                    data = decode_chunk(digest, peer.get_chunk(digest), max_size=MAX_CHUNK_SIZE)
-                except NotFound:
-                    continue
-                except BackendUnavailable as exc:
-                    self.peers.failed(peer, str(exc))
-                    continue
-                except CorruptObject as exc:  # a lying or broken peer: never used, never again soon
-                    self.sources["peer_rejected"] += 1
-                    self.peers.failed(peer, f"sent a chunk that fails verification ({exc})")
-                    continue
-                self.sources["peer"] += 1
-                return data
-        if self.remote is None:
-            raise MissingChunk(f"chunk {digest} is missing from {self.describe()}")
-        try:
-            blob = self.remote.get(key)
-        except NotFound:
-            raise MissingChunk(f"chunk {digest} is missing from {self.describe()} and its remote "
-                               f"{self.remote.describe()}") from None
-        self.sources["remote"] += 1
+            raise MissingChunk(f"chunk {digest} is missing from {self.describe_read_path()}") from None
         return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
 
     def write_chunk(self, digest: str, data: bytes | memoryview, *, level: int | None = None) -> int:
@@ -129,18 +149,26 @@ class Store:
         self.backend.put(chunk_key(digest), blob)
 
     def local_missing_chunks(self, digests: Iterable[str]) -> set[str]:
-        """The digests among `digests` this store itself lacks (its remote not asked)."""
+        """The digests among `digests` this store itself lacks (one batch; no peer or remote asked).
+
+        What imports and pushes dedup against and what `put_layer` checks: a
+        chunk counts as present only where the lease of the writer (and the
+        GC that honours it) is, so a manifest never names a chunk that only
+        another store holds.
+        """
         wanted = {chunk_key(d): d for d in digests}
         present = self.backend.has_many(wanted)
         return {d for k, d in wanted.items() if k not in present}
 
     def missing_chunks(self, digests: Iterable[str]) -> set[str]:
-        """The digests among `digests` that neither this store nor its remote holds (one batch each)."""
-        missing = self.local_missing_chunks(digests)
-        if self.remote is not None and missing:
-            present = self.remote.has_many([chunk_key(d) for d in missing])
-            missing = {d for d in missing if chunk_key(d) not in present}
-        return missing
+        """The digests among `digests` the read path cannot serve: neither this store nor any
+        fallback that answers existence checks (the remote; peers promise nothing) holds them.
+
+        For a restore's completeness check; never for dedup (see `local_missing_chunks`).
+        """
+        wanted = {chunk_key(d): d for d in digests}
+        present = self.read_path.readable_many(wanted)
+        return {d for k, d in wanted.items() if k not in present}
 
     # manifests ----------------------------------------------------------------
     def get_layer(self, manifest_id: str) -> Layer:
@@ -179,17 +207,27 @@ class Store:
         layers = self.stack(manifest_id)
         return layers[0], flatten(layers)
 
-    def put_layer(self, layer: Layer) -> str:
-        """Publish a manifest after confirming its chunks and parent are stored."""
+    def has_layer(self, manifest_id: str) -> bool:
+        """True if this store holds the manifest (the backend asked, not the catalog)."""
+        return self.backend.stat(manifest_key(manifest_id)) is not None
+
+    def put_layer(self, layer: Layer, *, read_through: bool = False) -> str:
+        """Publish a manifest after confirming its chunks and parent are stored here.
+
+        `read_through=True` is for a manifests-only pull alone: the chunks may
+        instead be readable through the read path (the remote store), from
+        which the mount loads them lazily.
+        """
         blob = layer.encode()
         manifest_id = layer.manifest_id()
         digests = {d for d in layer.chunks.values() if d is not None}
-        missing = self.missing_chunks(digests)
+        missing = self.missing_chunks(digests) if read_through else self.local_missing_chunks(digests)
         if missing:
             example = sorted(missing)[0]
+            where = self.describe_read_path() if read_through else self.describe()
             raise MissingChunk(
                 f"refusing to publish manifest {manifest_id}: {len(missing)} chunk(s) it names are missing "
-                f"from {self.describe()} (e.g. {example})"
+                f"from {where} (e.g. {example})"
             )
         if layer.parent is not None and self.backend.stat(manifest_key(layer.parent)) is None:
             raise NotFound(f"refusing to publish manifest {manifest_id}: parent manifest {layer.parent} is missing")
@@ -214,6 +252,10 @@ class Store:
         self.backend.put(snapshot_key(snapshot_id), blob)
         return snapshot_id
 
+    def has_snapshot(self, snapshot_id: str) -> bool:
+        """True if this store holds the snapshot manifest."""
+        return self.backend.stat(snapshot_key(snapshot_id)) is not None
+
     def get_snapshot(self, snapshot_id: str) -> Snapshot:
         """Load and verify a snapshot manifest."""
         try:
@@ -224,12 +266,31 @@ class Store:
 
     def list_snapshots(self) -> list[str]:
         """Ids of every snapshot in the store."""
-        return sorted(o.key.split("/", 1)[1] for o in self.backend.list("snapshots/") if is_snapshot_key(o.key))
+        return sorted(o.key.split("/", 1)[1] for o in self.backend.list(SNAPSHOT_PREFIX) if is_snapshot_key(o.key))
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot manifest; its layers and chunks stay until GC."""
         self.get_snapshot(snapshot_id)  # NotFound with a clear message
         self.backend.delete(snapshot_key(snapshot_id))
+
+    # prefetch lists -------------------------------------------------------------
+    def get_prefetch(self, manifest_id: str) -> list[int] | None:
+        """The chunk indices recorded as the layer's working set (`put_prefetch`), or None.
+
+        A torn or malformed list counts as none: it only costs laziness.
+        """
+        try:
+            indices = json.loads(self.backend.get(_prefetch_key(manifest_id)))
+            return [int(i) for i in indices]
+        except NotFound:
+            return None
+        except (ValueError, TypeError):
+            return None
+
+    def put_prefetch(self, manifest_id: str, indices: Iterable[int]) -> None:
+        """Record the chunk indices a sandbox of this layer reads first (prefetched on mount, pulled
+        by `pull --prefetch`)."""
+        self.backend.put(_prefetch_key(manifest_id), json.dumps([int(i) for i in indices]).encode())
 
     # templates ------------------------------------------------------------------
     def put_template(self, template: Template) -> None:
@@ -292,7 +353,7 @@ class Store:
     def list_refs(self) -> list[tuple[Ref, str, int]]:
         """Every well-formed ref as (ref, manifest id, updated), sorted by name."""
         out: list[tuple[Ref, str, int]] = []
-        for key, _size, _ in self.backend.list("refs/"):
+        for key, _size, _ in self.backend.list(REF_PREFIX):
             ref = ref_from_key(key)
             if ref is None:
                 continue
@@ -388,65 +449,120 @@ def inspect_image(store: Store, ref: Ref | str) -> ImageInfo:
 
 
 def state_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where per-node state lives for remote stores (STRATA_STATE_DIR)."""
+    """Where per-node state lives: STRATA_STATE_DIR in `env`, else DEFAULT_STATE_DIR.
+
+    Transitional: `env=None` still means os.environ for fusefs/daemon.py
+    serve()'s upper-dir default, the one caller that passes nothing; callers
+    should read NodeConfig.state_dir instead, and this function go.
+    """
     env = os.environ if env is None else env
     return Path(os.path.expanduser(env.get("STRATA_STATE_DIR", DEFAULT_STATE_DIR)))
+
+
+def settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """`open_store` keywords from STRATA_* variables in `env` (a mapping the caller read).
+
+    Transitional, for callers at the top that still hold an environment
+    rather than a NodeConfig (layerstore/cli.py, vmm/cli.py, api/app.py and
+    the mount daemon pass `env=` to open_store). S3 credentials are not
+    among them: boto3's default chain reads AWS_* itself.
+    """
+    path_style = env.get("STRATA_S3_PATH_STYLE", "true").lower() not in ("0", "false", "no", "virtual")
+    return {
+        "s3_endpoint": env.get("STRATA_S3_ENDPOINT", ""),
+        "s3_region": env.get("STRATA_S3_REGION", "") or env.get("AWS_REGION", ""),
+        "s3_path_style": path_style,
+        "remote": env.get("STRATA_REMOTE", ""),
+        "peers": tuple(p for p in env.get("STRATA_PEERS", "").split(",") if p.strip()),
+        "peer_key": env.get("STRATA_PEER_KEY", ""),
+        "state_dir": state_dir(env),
+    }
 
 
 def open_store(
     spec: str,
     *,
-    env: Mapping[str, str] | None = None,
-    create: bool = True,
+    s3_endpoint: str = "",
+    s3_region: str = "",
+    s3_path_style: bool = True,
+    remote: str = "",
+    peers: Sequence[str] = (),
+    peer_key: str = "",
+    state_dir: Path | None = None,
     level: int = DEFAULT_LEVEL,
+    create: bool = True,
     retry_attempts: int = 4,
     backend: Backend | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Store:
-    """Open the store named by `spec`: a directory path, or `s3://BUCKET/PREFIX`.
+    """Open the store named by `spec`, a directory path or `s3://BUCKET/PREFIX`, with its read path.
 
-    For S3 the endpoint and credentials come from STRATA_S3_ENDPOINT and the
-    usual AWS_* variables; the bucket is checked up front so a misconfigured
-    store fails here, with one clear line, instead of halfway through work.
-    `backend` substitutes a ready-made backend (tests use it to inject moto).
+    - `s3_endpoint`, `s3_region`, `s3_path_style` reach every s3:// store
+      named here (`spec` and `remote`); empty means boto3's defaults, and S3
+      credentials always come from boto3's own chain (AWS_* variables,
+      ~/.aws, instance roles).
+    - `remote` (a store spec) and `peers` (node URLs, asked with `peer_key`)
+      are where chunks this store lacks are read from: peers first, then the
+      remote (see the module doc's read path). A `remote` equal to `spec` is
+      ignored.
+    - `state_dir` holds the catalogs of S3 stores (a local store keeps its
+      catalog inside its directory); an s3:// `spec` without it is refused,
+      since a guessed default would scatter catalogs where nobody looks.
+    - `backend` substitutes a ready-made primary backend (tests inject moto).
+    - `env` is transitional (see `settings_from_env`): given, it replaces the
+      settings above; it is never read from os.environ.
+
+    The bucket is checked up front so a misconfigured store fails here, with
+    one clear line, instead of halfway through work.
     """
-    env = dict(os.environ if env is None else env)
+    if env is not None:
+        return open_store(spec, **settings_from_env(env), level=level, create=create,
+                          retry_attempts=retry_attempts, backend=backend)
     if not spec:
         raise InvalidInput("no store given: pass --store PATH|s3://BUCKET/PREFIX or set STRATA_STORE")
+    s3 = {"endpoint": s3_endpoint, "region": s3_region, "path_style": s3_path_style}
     if spec.startswith("s3://"):
         from .s3 import S3Backend, S3Config  # boto3 costs ~0.2 s to import: only when needed
 
-        config = S3Config.from_url(spec, env)
+        if state_dir is None:
+            raise InvalidInput(f"{spec}: an s3:// store keeps its catalog in the node's state directory; "
+                               f"none was given (config state_dir, STRATA_STATE_DIR)")
+        config = S3Config.from_url(spec, **s3)
         inner = backend or S3Backend(config)
         if isinstance(inner, S3Backend):
             RetryingBackend(inner, attempts=retry_attempts)._call(inner.check_bucket)
         name = hashlib.blake2b(f"{config.endpoint}|{spec}".encode(), digest_size=8).hexdigest()
-        catalog_path = state_dir(env) / "catalogs" / name
+        catalog_path = Path(state_dir) / "catalogs" / name
     elif "://" in spec:
         raise InvalidInput(f"unsupported store URL {spec!r}: use a directory path or s3://BUCKET/PREFIX")
     else:
         inner = backend or LocalDirBackend(spec, create=create)
         catalog_path = Path(spec) / "catalog"
+    fallbacks: list[Fallback] = []
     try:
         catalog = Catalog(catalog_path)
-    except StrataError:
+        if peers:
+            from .peers import Peers  # httpx: only on nodes that have peers
+
+            fallbacks += Peers(peers, api_key=peer_key).fallbacks()
+        if remote and remote != spec:
+            fallbacks.append(Fallback("remote", open_backend(remote, **s3, retry_attempts=retry_attempts)))
+    except BaseException:
         inner.close()
+        for fallback in fallbacks:
+            fallback.source.close()
         raise
-    remote = peers = None
-    if env.get("STRATA_REMOTE") and env["STRATA_REMOTE"] != spec:
-        remote = open_backend(env["STRATA_REMOTE"], env=env, retry_attempts=retry_attempts)
-    if env.get("STRATA_PEERS"):
-        from .peers import Peers
-
-        peers = Peers(env["STRATA_PEERS"].split(","), api_key=env.get("STRATA_PEER_KEY", ""))
-    return Store(RetryingBackend(inner, attempts=retry_attempts), catalog, level=level, remote=remote, peers=peers)
+    own = RetryingBackend(inner, attempts=retry_attempts)
+    return Store(own, catalog, level=level, read_path=chunk_read_path(own, fallbacks))
 
 
-def open_backend(spec: str, *, env: Mapping[str, str], retry_attempts: int = 4, create: bool = False) -> Backend:
-    """A bare backend for `spec` (a remote store read through, or a GC target)."""
+def open_backend(spec: str, *, endpoint: str = "", region: str = "", path_style: bool = True,
+                 retry_attempts: int = 4, create: bool = False) -> Backend:
+    """A bare, retrying backend for `spec` (a remote store read through, or a GC target)."""
     if spec.startswith("s3://"):
         from .s3 import S3Backend, S3Config
 
-        inner: Backend = S3Backend(S3Config.from_url(spec, env))
+        inner: Backend = S3Backend(S3Config.from_url(spec, endpoint=endpoint, region=region, path_style=path_style))
     elif "://" in spec:
         raise InvalidInput(f"unsupported store URL {spec!r}: use a directory path or s3://BUCKET/PREFIX")
     else:

@@ -13,13 +13,14 @@
 A reader of the destination never sees a name whose data is not all there,
 and an interrupted copy resumes: step 2 skips the chunks already copied.
 `chunks=False` copies manifests and the name only: a pull into a node
-store whose `remote` is the source, so the mount loads chunks lazily from it
-(the destination still refuses a manifest naming a chunk neither holds).
+store whose read path has the source as its remote, so the mount loads
+chunks lazily from it (the destination still refuses a manifest naming a
+chunk its read path cannot serve). Every other copy publishes a manifest
+only where each chunk it names is stored (Store.put_layer).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,6 @@ from .store import Store
 from .templates import Template
 
 Progress = Callable[[int], None]
-PREFETCH_PREFIX = "prefetch/"  # recorded working sets (fusefs/daemon.py writes them)
 
 
 @dataclass
@@ -70,12 +70,12 @@ def copy(
     closure = Closure()
     published = closure.add(src, name, strict=True)
     wanted = closure.chunks
-    prefetch_objects: dict[str, bytes] = {}
+    prefetch_lists: dict[str, list[int]] = {}
     if not chunks and prefetch:
-        wanted, prefetch_objects = _prefetch_set(src, closure)
+        wanted, prefetch_lists = _prefetch_set(src, closure)
     with Lease(dst.backend, f"copy {name} from {src.describe()}"):
         sent = sent_bytes = 0
-        published_layers = {m for m in closure.layers if dst.backend.stat(f"manifests/{m}") is not None}
+        published_layers = {m for m in closure.layers if dst.has_layer(m)}
         if chunks and published_layers:
             # A manifest is only ever published after its chunks, and GC deletes manifests before
             # chunks and nothing while our lease lives: the chunks of layers the destination already
@@ -105,13 +105,13 @@ def copy(
                     sent_bytes += size
         manifests = [m for m in closure.layers if m not in published_layers]
         for layer_id in manifests:
-            # refused if a chunk is in neither the destination nor its remote
-            dst.put_layer(src.get_layer(layer_id))
-        snapshots = [s for s in closure.snapshots if dst.backend.stat(f"snapshots/{s}") is None]
+            # refused if a chunk is missing from the destination (or, lazily, from its read path)
+            dst.put_layer(src.get_layer(layer_id), read_through=not chunks)
+        snapshots = [s for s in closure.snapshots if not dst.has_snapshot(s)]
         for snapshot_id in snapshots:
             dst.put_snapshot(src.get_snapshot(snapshot_id))
-        for key, blob in prefetch_objects.items():
-            dst.backend.put(key, blob)
+        for layer_id, indices in prefetch_lists.items():
+            dst.put_prefetch(layer_id, indices)
         if isinstance(published, Template):
             dst.put_template(published)
         elif isinstance(published, str):
@@ -120,20 +120,15 @@ def copy(
                           time.monotonic() - started)
 
 
-def _prefetch_set(src: Store, closure: Closure) -> tuple[set[str], dict[str, bytes]]:
-    """Chunks named by the prefetch lists recorded for the closure's layers."""
+def _prefetch_set(src: Store, closure: Closure) -> tuple[set[str], dict[str, list[int]]]:
+    """Chunks named by the prefetch lists recorded for the closure's layers, and the lists."""
     wanted: set[str] = set()
-    objects: dict[str, bytes] = {}
+    lists: dict[str, list[int]] = {}
     for layer_id in closure.layers:
-        key = f"{PREFETCH_PREFIX}{layer_id}"
-        try:
-            blob = src.backend.get(key)
-            indices = [int(i) for i in json.loads(blob)]
-        except NotFound:
+        indices = src.get_prefetch(layer_id)
+        if indices is None:
             continue
-        except (ValueError, TypeError):
-            continue  # a torn list only costs laziness
         chunk_map = src.chunk_map(layer_id)[1]
         wanted.update(chunk_map[i] for i in indices if i in chunk_map)
-        objects[key] = blob
-    return wanted, objects
+        lists[layer_id] = indices
+    return wanted, lists

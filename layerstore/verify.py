@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .chunk import decode_chunk
+from .chunk import CHUNK_PREFIX, chunk_key, decode_chunk
 from .digest import is_digest
 from .errors import CorruptObject, NotFound, StrataError
-from .manifest import Layer, parse_manifest
-from .refs import decode_ref_target, ref_from_key
-from .snapshot import is_snapshot_key, parse_snapshot
+from .manifest import MANIFEST_PREFIX, Layer, parse_manifest
+from .refs import REF_PREFIX, decode_ref_target, ref_from_key
+from .snapshot import SNAPSHOT_PREFIX, is_snapshot_key, parse_snapshot
 from .store import Store
 
 
@@ -67,7 +67,7 @@ def verify_store(
     report = VerifyReport()
     backend = store.backend
     layers: dict[str, Layer] = {}
-    for key, _size, _ in backend.list("manifests/"):
+    for key, _size, _ in backend.list(MANIFEST_PREFIX):
         manifest_id = key.rsplit("/", 1)[-1]
         report.manifests += 1
         if not is_digest(manifest_id):
@@ -80,7 +80,7 @@ def verify_store(
     for manifest_id, layer in layers.items():
         if layer.parent is not None and layer.parent not in layers:
             report.bad_manifests.append(f"manifest {manifest_id}: parent {layer.parent} is missing")
-    for key, _size, _ in backend.list("snapshots/"):
+    for key, _size, _ in backend.list(SNAPSHOT_PREFIX):
         snapshot_id = key.rsplit("/", 1)[-1]
         report.manifests += 1
         try:
@@ -93,7 +93,7 @@ def verify_store(
             continue
         for layer_id in sorted(snap.layer_ids() - set(layers)):
             report.bad_manifests.append(f"snapshot {snapshot_id}: layer {layer_id} is missing or corrupt")
-    for key, _size, _ in backend.list("refs/"):
+    for key, _size, _ in backend.list(REF_PREFIX):
         report.refs += 1
         ref = ref_from_key(key)
         if ref is None:
@@ -113,9 +113,9 @@ def verify_store(
             if digest is not None:
                 named.setdefault(digest, manifest_id)
     present: dict[str, int] = {}
-    for key, size, _ in backend.list("chunks/"):
+    for key, size, _ in backend.list(CHUNK_PREFIX):
         digest = key.rsplit("/", 1)[-1]
-        if is_digest(digest) and key == f"chunks/{digest[:2]}/{digest}":
+        if is_digest(digest) and key == chunk_key(digest):
             present[digest] = size
         else:
             report.corrupt_chunks.append(key)
@@ -125,7 +125,7 @@ def verify_store(
     def check(item: tuple[str, int]) -> tuple[str, int, str | None]:
         digest, size = item
         try:
-            data = decode_chunk(digest, backend.get(f"chunks/{digest[:2]}/{digest}"))
+            data = decode_chunk(digest, backend.get(chunk_key(digest)))
             return digest, len(data), None
         except StrataError as exc:  # corrupt, missing, or the store failing
             return digest, 0, str(exc)

@@ -1,4 +1,5 @@
-"""Shared fixtures: the three real backends every contract test runs against.
+"""Shared fixtures: the three real backends every contract test runs against
+(plus the Backend wrappers, `retrying` and `read-through`, over a local one).
 
 - `local`: LocalDirBackend in a temp directory.
 - `moto`: S3Backend on moto's in-process S3 (boto3 talks to moto's handlers).
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 IN_CI = os.environ.get("CI", "").lower() == "true"
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["local", "moto", "seaweedfs"]
+WRAPPERS = ["retrying", "read-through"]  # the Backend wrappers, over a local directory
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +110,20 @@ def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> B
     """A fresh, empty backend of `kind` (a unique prefix on shared S3 servers)."""
     if kind == "local":
         return LocalDirBackend(tmp_path / "store")
+    if kind == "retrying":
+        from layerstore.backend import RetryingBackend
+
+        return RetryingBackend(LocalDirBackend(tmp_path / "store"), attempts=2, base_delay=0.01)
+    if kind == "read-through":
+        from layerstore.chunk import chunk_key, encode_chunk
+        from layerstore.digest import digest_bytes
+        from layerstore.readthrough import Fallback
+        from layerstore.store import chunk_read_path
+
+        # a fallback holding one chunk the primary lacks: lists, stats and deletes must not see it
+        other = LocalDirBackend(tmp_path / "fallback")
+        other.put(chunk_key(digest_bytes(b"elsewhere")), encode_chunk(b"elsewhere"))
+        return chunk_read_path(LocalDirBackend(tmp_path / "store"), [Fallback("remote", other)])
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     if kind == "moto":
         client = request.getfixturevalue("moto_s3")
@@ -127,7 +143,7 @@ def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> B
     raise ValueError(kind)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=BACKENDS + WRAPPERS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     b = make_backend(request.param, tmp_path, request)
     yield b

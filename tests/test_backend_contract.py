@@ -169,3 +169,87 @@ def test_retry_wrapper_does_not_retry_not_found(tmp_path) -> None:
     with pytest.raises(NotFound):
         retrying.get("refs/a/b")
     assert flaky.calls == 1
+
+
+# wrappers beyond the contract ---------------------------------------------------
+def _chunk(data: bytes) -> tuple[str, bytes]:
+    from layerstore.chunk import chunk_key, encode_chunk
+    from layerstore.digest import digest_bytes
+
+    return chunk_key(digest_bytes(data)), encode_chunk(data)
+
+
+class Unreachable:
+    """A source that is down."""
+
+    def get(self, key: str) -> bytes:
+        raise BackendUnavailable("connection refused (injected)")
+
+    def has_many(self, keys) -> set[str]:  # noqa: ANN001
+        raise BackendUnavailable("connection refused (injected)")
+
+    def describe(self) -> str:
+        return "down"
+
+    def close(self) -> None:
+        pass
+
+
+def test_read_through_asks_fallbacks_in_order_and_skips_what_fails_verification(tmp_path) -> None:
+    from layerstore.localdir import LocalDirBackend
+    from layerstore.readthrough import Fallback
+    from layerstore.store import chunk_read_path
+
+    key, blob = _chunk(b"wanted" * 1000)
+    other_key, other_blob = _chunk(b"something else")
+    liar, honest, primary = (LocalDirBackend(tmp_path / n) for n in ("liar", "honest", "primary"))
+    liar.put(key, other_blob)  # the wrong object under the asked key
+    honest.put(key, blob)
+    failures: list[str] = []
+    rt = chunk_read_path(primary, [Fallback("peer", liar, best_effort=True, on_failure=failures.append),
+                                   Fallback("remote", honest)])
+    assert rt.get(key) == blob
+    assert rt.counts == {"peer_rejected": 1, "remote": 1} and "fails verification" in failures[0]
+    assert primary.stat(key) is None and rt.stat(key) is None  # nothing written back; existence is the primary's
+    assert rt.has_many([key]) == set() and rt.readable_many([key, other_key]) == {key}
+    honest.put("refs/a/b", b"x")
+    with pytest.raises(NotFound):
+        rt.get("refs/a/b")  # only chunks read through
+    primary.put(key, blob)
+    assert rt.get(key) == blob and rt.counts["local"] == 1
+
+
+def test_read_through_errors_name_the_stores_and_tell_missing_from_unreachable(tmp_path) -> None:
+    from layerstore.errors import CorruptObject
+    from layerstore.localdir import LocalDirBackend
+    from layerstore.readthrough import Fallback
+    from layerstore.store import chunk_read_path
+
+    key, blob = _chunk(b"wanted")
+    _, other_blob = _chunk(b"other")
+    primary, empty, broken = (LocalDirBackend(tmp_path / n) for n in ("primary", "empty", "broken"))
+    broken.put(key, other_blob)
+    with pytest.raises(NotFound, match="empty"):  # a dead peer is a miss: the chunk is missing
+        chunk_read_path(primary, [Fallback("peer", Unreachable(), best_effort=True),
+                                  Fallback("remote", empty)]).get(key)
+    with pytest.raises(BackendUnavailable):  # a dead remote may hold it: not "missing"
+        chunk_read_path(primary, [Fallback("remote", Unreachable())]).get(key)
+    with pytest.raises(CorruptObject):
+        chunk_read_path(primary, [Fallback("remote", broken)]).get(key)
+
+
+def test_dry_run_backend_records_writes_and_passes_reads(tmp_path) -> None:
+    from layerstore.backend import DryRunBackend
+    from layerstore.localdir import LocalDirBackend
+
+    inner = LocalDirBackend(tmp_path / "s")
+    inner.put("refs/a/b", b"x")
+    dry = DryRunBackend(inner)
+    dry.put("refs/a/c", b"y")
+    dry.delete("refs/a/b")
+    dry.delete_many(["refs/a/b", "chunks/00/x"])
+    assert dry.written == ["refs/a/c"] and dry.deleted == ["refs/a/b", "refs/a/b", "chunks/00/x"]
+    assert dry.get("refs/a/b") == b"x" and dry.stat("refs/a/c") is None
+    assert [o.key for o in dry.list("refs/")] == ["refs/a/b"] and dry.has_many(["refs/a/b"]) == {"refs/a/b"}
+    with pytest.raises(InvalidInput):
+        dry.delete("../x")

@@ -157,3 +157,34 @@ def test_keys_follow_documented_layout(store: Store, tmp_path: Path) -> None:
     keys = {o.key for o in store.backend.list("")}
     digest = store.get_layer(res.manifest_id).chunks[0]
     assert keys == {chunk_key(digest), manifest_key(res.manifest_id), "refs/img/v1"}
+
+
+def test_import_on_a_node_whose_remote_holds_the_chunks_still_stores_them_locally(tmp_path: Path) -> None:
+    """Dedup is against the store the import's lease protects: a chunk only the remote holds is
+    written here too, so no local manifest names a chunk the remote's GC could take away."""
+    from layerstore.errors import MissingChunk
+    from layerstore.localdir import LocalDirBackend
+    from layerstore.manifest import Layer
+    from tests.test_transfer import local_store
+
+    data = write_image(tmp_path / "a.img", "rrp", seed=11)
+    remote = local_store(tmp_path / "remote")
+    first = import_image(remote, tmp_path / "a.img", "app:v1")
+    node = local_store(tmp_path / "node", remote=LocalDirBackend(tmp_path / "remote" / "objects", create=False))
+    assert node.missing_chunks(remote.chunk_map(first.manifest_id)[1].values()) == set()  # readable through
+    res = import_image(node, tmp_path / "a.img", "app:v1")
+    assert res.manifest_id == first.manifest_id and res.new_chunks == first.new_chunks == 3
+    stored = {o.key for o in node.backend.list("chunks/")}
+    assert stored == {chunk_key(d) for d in node.chunk_map(res.manifest_id)[1].values()}
+    assert node.local_missing_chunks(node.chunk_map(res.manifest_id)[1].values()) == set()
+    export_image(node, "app:v1", tmp_path / "out.img")
+    assert (tmp_path / "out.img").read_bytes() == data and node.sources["remote"] == 0
+    # publishing checks this store alone, unless a lazy pull asks for the read path
+    layer = Layer(size=MiB, chunk_size=MiB, chunks={0: remote.chunk_map(first.manifest_id)[1][0]})
+    for digest in set(remote.chunk_map(first.manifest_id)[1].values()):
+        node.backend.delete(chunk_key(digest))
+    with pytest.raises(MissingChunk):
+        node.put_layer(layer)
+    assert node.put_layer(layer, read_through=True) == layer.manifest_id()
+    node.close()
+    remote.close()

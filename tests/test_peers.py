@@ -1,4 +1,4 @@
-"""Peer fetch (layerstore/peers.py + Store.read_chunk): peers first, the remote
+"""Peer fetch (layerstore/peers.py through ReadThroughBackend): peers first, the remote
 store last, and nothing a peer sends is used unverified. Peers here are real
 HTTP servers on loopback; the remote is a local directory store."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from layerstore.chunk import chunk_key
-from layerstore.errors import MissingChunk
+from layerstore.errors import MissingChunk, NotFound
 from layerstore.importer import import_image
 from layerstore.localdir import LocalDirBackend
 from layerstore.peers import Peers
@@ -68,9 +68,7 @@ def origin(tmp_path: Path) -> Iterator[tuple[object, list[str], dict[str, bytes]
 
 
 def node_with(tmp_path: Path, peers: Peers, remote: Path | None) -> object:
-    store = local_store(tmp_path / "node", remote=LocalDirBackend(remote, create=False) if remote else None)
-    store.peers = peers
-    return store
+    return local_store(tmp_path / "node", remote=LocalDirBackend(remote, create=False) if remote else None, peers=peers)
 
 
 def test_peer_first_then_remote(origin, tmp_path: Path) -> None:  # noqa: ANN001
@@ -80,6 +78,8 @@ def test_peer_first_then_remote(origin, tmp_path: Path) -> None:  # noqa: ANN001
     for d in digests:
         assert node.read_chunk(d) == src.read_chunk(d)
     assert node.sources["peer"] == 1 and node.sources["remote"] == 2 and node.sources["local"] == 0
+    with pytest.raises(NotFound):  # what a node serves its peers is its own objects: it never relays
+        node.backend.get(chunk_key(digests[0]))
     honest.close()
     node.close()
 
@@ -104,12 +104,12 @@ def test_dead_or_unauthorised_peers_cost_bounded_time(origin, tmp_path: Path) ->
     src, digests, objects = origin
     locked = FakeNode(objects, key="another-key-456")  # 401 to us
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
-    node = node_with(tmp_path, Peers([dead, locked.url], api_key="peer-key-123", timeout=1.0),
-                     tmp_path / "origin" / "objects")
+    peers = Peers([dead, locked.url], api_key="peer-key-123", timeout=1.0)
+    node = node_with(tmp_path, peers, tmp_path / "origin" / "objects")
     started = time.monotonic()
     assert node.read_chunk(digests[0]) == src.read_chunk(digests[0])
     assert time.monotonic() - started < 5 and node.sources["remote"] == 1
-    assert node.peers.candidates() == []  # both sit out their cooldown
+    assert peers.candidates() == []  # both sit out their cooldown
     alone = node_with(tmp_path / "x", Peers([dead], api_key="k" * 8), None)
     with pytest.raises(MissingChunk):
         alone.read_chunk(digests[0])

@@ -19,7 +19,9 @@ from layerstore.errors import BackendUnavailable, CorruptObject, MissingChunk, N
 from layerstore.exporter import export_image
 from layerstore.importer import import_image
 from layerstore.localdir import LocalDirBackend
-from layerstore.store import Store
+from layerstore.peers import Peers
+from layerstore.readthrough import Fallback
+from layerstore.store import Store, chunk_read_path
 from layerstore.templates import new_template
 from layerstore.transfer import copy
 from layerstore.verify import verify_store
@@ -30,9 +32,11 @@ from tests.test_snapshot import _layers, _snap
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def local_store(path: Path, remote: Backend | None = None) -> Store:
-    return Store(RetryingBackend(LocalDirBackend(path / "objects"), attempts=2, base_delay=0.01),
-                 Catalog(path / "catalog"), remote=remote)
+def local_store(path: Path, remote: Backend | None = None, peers: Peers | None = None) -> Store:
+    """A local store whose chunk reads fall back to `peers`, then `remote` (as open_store builds it)."""
+    fallbacks = [*(peers.fallbacks() if peers else []), *([Fallback("remote", remote)] if remote else [])]
+    own = RetryingBackend(LocalDirBackend(path / "objects"), attempts=2, base_delay=0.01)
+    return Store(own, Catalog(path / "catalog"), read_path=chunk_read_path(own, fallbacks))
 
 
 @pytest.fixture
@@ -172,12 +176,12 @@ def test_prefetch_pull_copies_only_the_recorded_working_set(src: Store, tmp_path
     write_image(tmp_path / "a.img", "rrrr", seed=6)
     manifest = import_image(src, tmp_path / "a.img", "ws:v1").manifest_id
     chunk_map = src.chunk_map(manifest)[1]
-    src.backend.put(f"prefetch/{manifest}", json.dumps([0, 2]).encode())  # what record-prefetch writes
+    src.put_prefetch(manifest, [0, 2])  # what record-prefetch writes
     node = local_store(tmp_path / "node", remote=LocalDirBackend(tmp_path / "src" / "objects", create=False))
     result = copy(src, node, "ws:v1", chunks=False, prefetch=True)
     assert result.chunks_sent == 2
     assert keys(node, "chunks/") == {chunk_key(chunk_map[0]), chunk_key(chunk_map[2])}
-    assert json.loads(node.backend.get(f"prefetch/{manifest}")) == [0, 2]  # the list travels too
+    assert node.get_prefetch(manifest) == [0, 2]  # the list travels too
     export_image(node, "ws:v1", tmp_path / "out.img")  # the other two read through the remote
     assert (tmp_path / "out.img").read_bytes() == (tmp_path / "a.img").read_bytes()
     node.close()

@@ -1,0 +1,44 @@
+"""open_store: explicit settings, never the environment, and the read path it assembles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from layerstore.errors import InvalidInput
+from layerstore.readthrough import ReadThroughBackend
+from layerstore.store import open_store, settings_from_env
+
+
+def test_a_local_store_reads_no_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATA_REMOTE", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("STRATA_PEERS", "http://127.0.0.1:9")
+    with open_store(str(tmp_path / "s")) as store:
+        assert isinstance(store.read_path, ReadThroughBackend) and store.read_path.fallbacks == ()
+        assert store.describe_read_path() == store.describe()
+
+
+def test_the_read_path_is_peers_then_the_remote(tmp_path: Path) -> None:
+    open_store(str(tmp_path / "remote")).close()
+    with open_store(str(tmp_path / "s"), remote=str(tmp_path / "remote"), peers=["http://a:1", "http://b:2"],
+                    peer_key="k" * 8) as store:
+        assert [f.label for f in store.read_path.fallbacks] == ["peer", "peer", "remote"]
+        assert store.describe_read_path() == (f"{tmp_path / 's'} -> peer http://a:1 -> peer http://b:2 -> "
+                                              f"remote {tmp_path / 'remote'}")
+    with open_store(str(tmp_path / "s"), remote=str(tmp_path / "s")) as store:  # itself: no fallback
+        assert store.read_path.fallbacks == ()
+
+
+def test_an_s3_store_needs_a_state_dir(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="state dir"):
+        open_store("s3://bucket/prefix", s3_endpoint="http://127.0.0.1:9")
+
+
+def test_settings_from_env_maps_the_strata_variables(tmp_path: Path) -> None:
+    settings = settings_from_env({"STRATA_S3_ENDPOINT": "http://x:1", "STRATA_S3_PATH_STYLE": "false",
+                                  "STRATA_REMOTE": "s3://b/p", "STRATA_PEERS": "http://a:1,,http://b:2",
+                                  "STRATA_PEER_KEY": "secret-key", "STRATA_STATE_DIR": str(tmp_path),
+                                  "AWS_SECRET_ACCESS_KEY": "not ours"})
+    assert settings == {"s3_endpoint": "http://x:1", "s3_region": "", "s3_path_style": False, "remote": "s3://b/p",
+                        "peers": ("http://a:1", "http://b:2"), "peer_key": "secret-key", "state_dir": tmp_path}
