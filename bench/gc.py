@@ -56,13 +56,20 @@ RUNS = ("baseline", "list", "gc run 1", "gc run 2", "gc run 3")
 # child: one measured action in a fresh process
 # --------------------------------------------------------------------------
 
+def _store_options() -> dict[str, Any]:
+    """How `strata` would open a store in this environment (the node's config)."""
+    from layerstore.config import NodeConfig
+
+    return NodeConfig.load(os.environ, require_store=False).store_options()
+
+
 def child(action: str, spec: str, now: float, grace: float) -> int:
     """Run one action on the store and print one JSON object (stdout)."""
     from layerstore import gc as sgc
-    from layerstore.store import open_store, settings_from_env
+    from layerstore.store import open_store
 
     out: dict[str, Any] = {"action": action}
-    with open_store(spec, **settings_from_env(os.environ)) as store:
+    with open_store(spec, **_store_options()) as store:
         t0 = time.monotonic()
         if action == "list":
             n = size = 0
@@ -95,12 +102,12 @@ def build(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     from layerstore.digest import digest_bytes
     from layerstore.localdir import LocalDirBackend
     from layerstore.manifest import Layer
-    from layerstore.store import open_store, settings_from_env
+    from layerstore.store import open_store
 
     t0 = time.monotonic()
     # setup only: a local store skips per-object fsync and syncs once at the end
     backend = None if spec.startswith("s3://") else LocalDirBackend(spec, fsync=False)
-    with open_store(spec, **settings_from_env(os.environ), backend=backend) as store:
+    with open_store(spec, **_store_options(), backend=backend) as store:
         def one(i: int) -> tuple[str, int]:
             data = chunk_data(args.seed, i, args.payload, args.chunk_size)
             digest = digest_bytes(data)
@@ -134,10 +141,12 @@ def build(spec: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def surviving(spec: str) -> dict[str, int]:
     """Objects left under chunks/ and manifests/ (checked against the live set after run 2)."""
-    from layerstore.store import open_store, settings_from_env
+    from layerstore.chunk import CHUNK_PREFIX
+    from layerstore.manifest import MANIFEST_PREFIX
+    from layerstore.store import open_store
 
-    with open_store(spec, **settings_from_env(os.environ)) as store:
-        return {p: sum(1 for _ in store.backend.list(p)) for p in ("chunks/", "manifests/")}
+    with open_store(spec, **_store_options()) as store:
+        return {p: sum(1 for _ in store.backend.list(p)) for p in (CHUNK_PREFIX, MANIFEST_PREFIX)}
 
 
 # --------------------------------------------------------------------------
