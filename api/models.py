@@ -8,15 +8,28 @@ rest are Strata's own (images, snapshots, cache, exec).
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from vmm.registry import SandboxRecord
 
 # E2B's envd is not served (sandboxes run Strata's agent; see POST .../exec):
 # the version is the oldest the E2B SDK accepts, so it never assumes envd features.
 ENVD_VERSION = "0.1.0"
 CLIENT_ID = "strata"
+
+
+def timestamp(ts: float | None) -> datetime:
+    """A record's epoch seconds as E2B's date-time (unset: the epoch)."""
+    return datetime.fromtimestamp(ts or 0.0, tz=timezone.utc)
+
+
+def e2b_state(record: SandboxRecord) -> Literal["running", "paused"]:
+    """E2B knows two states: its "paused" is our suspended (snapshot taken,
+    VM freed); a VM whose vCPUs an operator stopped still counts as running."""
+    return "paused" if record.state == "suspended" else "running"
 
 
 class Lenient(BaseModel):
@@ -47,6 +60,10 @@ class Sandbox(BaseModel):
     trafficAccessToken: str | None = None
     domain: str | None = None
 
+    @classmethod
+    def of(cls, record: SandboxRecord) -> Sandbox:
+        return cls(templateID=record.template or record.source, sandboxID=record.sid)
+
 
 class ListedSandbox(BaseModel):
     templateID: str
@@ -62,6 +79,12 @@ class ListedSandbox(BaseModel):
     envdVersion: str = ENVD_VERSION
     metadata: dict[str, str] = Field(default_factory=dict)
 
+    @classmethod
+    def of(cls, record: SandboxRecord, *, disk_mb: int) -> ListedSandbox:
+        return cls(templateID=record.template or record.source, sandboxID=record.sid,
+                   startedAt=timestamp(record.created), endAt=timestamp(record.end_at), cpuCount=1,
+                   memoryMB=record.memory_mib, diskSizeMB=disk_mb, state=e2b_state(record), metadata=record.metadata)
+
 
 class Lifecycle(BaseModel):
     autoResume: bool = False
@@ -71,6 +94,11 @@ class Lifecycle(BaseModel):
 class SandboxDetail(ListedSandbox):
     domain: str | None = None
     lifecycle: Lifecycle
+
+    @classmethod
+    def of(cls, record: SandboxRecord, *, disk_mb: int) -> SandboxDetail:
+        listed = ListedSandbox.of(record, disk_mb=disk_mb).model_dump()
+        return cls(**listed, lifecycle=Lifecycle(onTimeout="pause" if record.auto_pause else "kill"))
 
 
 class SandboxTimeoutRequest(Lenient):
