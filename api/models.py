@@ -1,7 +1,8 @@
 """Request and response bodies of the node API.
 
-The sandbox models follow E2B's public OpenAPI spec (e2b-dev/E2B
-spec/openapi.yml) field for field, so E2B's SDKs and clients work unchanged;
+The sandbox models follow E2B's public OpenAPI spec (e2b-dev/infra
+spec/openapi.yml; tests/test_e2b_spec.py checks them against it) field for
+field, so E2B's SDKs and clients work unchanged;
 fields E2B sends that Strata does not act on are accepted and ignored. The
 rest are Strata's own (images, snapshots, cache, exec).
 """
@@ -36,6 +37,13 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class Reply(BaseModel):
+    """An E2B response body: every field is always sent (defaults included),
+    and the schema says so, since E2B's SDKs read E2B's required fields
+    without checking for them."""
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+
 class Error(BaseModel):
     code: int = Field(description="HTTP status code")
     message: str = Field(description="what went wrong, in one line")
@@ -50,7 +58,7 @@ class NewSandbox(Lenient):
     envVars: dict[str, str] = Field(default_factory=dict)
 
 
-class Sandbox(BaseModel):
+class Sandbox(Reply):
     templateID: str
     sandboxID: str
     clientID: str = CLIENT_ID
@@ -65,7 +73,7 @@ class Sandbox(BaseModel):
         return cls(templateID=record.template or record.source, sandboxID=record.sid)
 
 
-class ListedSandbox(BaseModel):
+class ListedSandbox(Reply):
     templateID: str
     alias: str | None = None
     sandboxID: str
@@ -86,7 +94,7 @@ class ListedSandbox(BaseModel):
                    memoryMB=record.memory_mib, diskSizeMB=disk_mb, state=e2b_state(record), metadata=record.metadata)
 
 
-class Lifecycle(BaseModel):
+class Lifecycle(Reply):
     autoResume: bool = False
     onTimeout: Literal["kill", "pause"]
 
@@ -128,7 +136,7 @@ class SandboxForkRequest(Lenient):
     count: int = Field(1, description="number of forks, 1..100")
 
 
-class SandboxForkResult(BaseModel):
+class SandboxForkResult(Reply):
     sandbox: Sandbox | None = None
     error: Error | None = None
 
@@ -137,12 +145,12 @@ class SandboxSnapshotRequest(Lenient):
     name: str | None = Field(None, description="also publish the snapshot as a template of this name")
 
 
-class SnapshotInfo(BaseModel):
+class SnapshotInfo(Reply):
     snapshotID: str
     names: list[str]
 
 
-class Template(BaseModel):
+class Template(Reply):
     templateID: str
     buildID: str
     cpuCount: int

@@ -105,7 +105,9 @@ def refresh(sandboxID: str, node: NodeDep, body: m.SandboxRefreshRequest | None 
 
 @router.post("/sandboxes/{sandboxID}/fork", status_code=201, response_model=list[m.SandboxForkResult],
              summary="Snapshot once, start `count` independent copies (the source keeps running)")
-def fork(sandboxID: str, body: m.SandboxForkRequest, response: Response, node: NodeDep) -> list[m.SandboxForkResult]:
+def fork(sandboxID: str, response: Response, node: NodeDep,
+         body: m.SandboxForkRequest | None = None) -> list[m.SandboxForkResult]:
+    body = body or m.SandboxForkRequest()  # E2B's body is optional: one fork, the default lifetime
     with vmm_timing(node, response):
         records = node.fork(sandboxID, body.count, body.timeout)
     return [m.SandboxForkResult(sandbox=m.Sandbox.of(r)) for r in records]
