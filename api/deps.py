@@ -48,8 +48,8 @@ async def admin_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> Non
         raise HTTPException(401 if not _match(key, node.config.api_keys) else 403, "an admin key is required")
 
 
-AUTH = [Depends(api_key)]
-ADMIN = [Depends(admin_key)]
+AUTH = (Depends(api_key),)
+ADMIN = (Depends(admin_key),)
 
 
 @contextmanager
