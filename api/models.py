@@ -1,17 +1,20 @@
 """Request and response bodies of the node API.
 
-The sandbox models follow E2B's public OpenAPI spec (e2b-dev/E2B
-spec/openapi.yml) field for field, so E2B's SDKs and clients work unchanged;
+The sandbox models follow E2B's public OpenAPI spec (e2b-dev/infra
+spec/openapi.yml; tests/test_e2b_spec.py checks them against it) field for
+field, so E2B's SDKs and clients work unchanged;
 fields E2B sends that Strata does not act on are accepted and ignored. The
 rest are Strata's own (images, snapshots, cache, exec).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from vmm.registry import SandboxRecord
 
 # E2B's envd is not served (sandboxes run Strata's agent; see POST .../exec):
 # the version is the oldest the E2B SDK accepts, so it never assumes envd features.
@@ -19,8 +22,26 @@ ENVD_VERSION = "0.1.0"
 CLIENT_ID = "strata"
 
 
+def timestamp(ts: float | None) -> datetime:
+    """A record's epoch seconds as E2B's date-time (unset: the epoch)."""
+    return datetime.fromtimestamp(ts or 0.0, tz=timezone.utc)
+
+
+def e2b_state(record: SandboxRecord) -> Literal["running", "paused"]:
+    """E2B knows two states: its "paused" is our suspended (snapshot taken,
+    VM freed); a VM whose vCPUs an operator stopped still counts as running."""
+    return "paused" if record.state == "suspended" else "running"
+
+
 class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class Reply(BaseModel):
+    """An E2B response body: every field is always sent (defaults included),
+    and the schema says so, since E2B's SDKs read E2B's required fields
+    without checking for them."""
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
 
 
 class Error(BaseModel):
@@ -37,7 +58,7 @@ class NewSandbox(Lenient):
     envVars: dict[str, str] = Field(default_factory=dict)
 
 
-class Sandbox(BaseModel):
+class Sandbox(Reply):
     templateID: str
     sandboxID: str
     clientID: str = CLIENT_ID
@@ -47,8 +68,12 @@ class Sandbox(BaseModel):
     trafficAccessToken: str | None = None
     domain: str | None = None
 
+    @classmethod
+    def of(cls, record: SandboxRecord) -> Sandbox:
+        return cls(templateID=record.template or record.source, sandboxID=record.sid)
 
-class ListedSandbox(BaseModel):
+
+class ListedSandbox(Reply):
     templateID: str
     alias: str | None = None
     sandboxID: str
@@ -62,8 +87,14 @@ class ListedSandbox(BaseModel):
     envdVersion: str = ENVD_VERSION
     metadata: dict[str, str] = Field(default_factory=dict)
 
+    @classmethod
+    def of(cls, record: SandboxRecord, *, disk_mb: int) -> ListedSandbox:
+        return cls(templateID=record.template or record.source, sandboxID=record.sid,
+                   startedAt=timestamp(record.created), endAt=timestamp(record.end_at), cpuCount=1,
+                   memoryMB=record.memory_mib, diskSizeMB=disk_mb, state=e2b_state(record), metadata=record.metadata)
 
-class Lifecycle(BaseModel):
+
+class Lifecycle(Reply):
     autoResume: bool = False
     onTimeout: Literal["kill", "pause"]
 
@@ -71,6 +102,11 @@ class Lifecycle(BaseModel):
 class SandboxDetail(ListedSandbox):
     domain: str | None = None
     lifecycle: Lifecycle
+
+    @classmethod
+    def of(cls, record: SandboxRecord, *, disk_mb: int) -> SandboxDetail:
+        listed = ListedSandbox.of(record, disk_mb=disk_mb).model_dump()
+        return cls(**listed, lifecycle=Lifecycle(onTimeout="pause" if record.auto_pause else "kill"))
 
 
 class SandboxTimeoutRequest(Lenient):
@@ -100,7 +136,7 @@ class SandboxForkRequest(Lenient):
     count: int = Field(1, description="number of forks, 1..100")
 
 
-class SandboxForkResult(BaseModel):
+class SandboxForkResult(Reply):
     sandbox: Sandbox | None = None
     error: Error | None = None
 
@@ -109,12 +145,12 @@ class SandboxSnapshotRequest(Lenient):
     name: str | None = Field(None, description="also publish the snapshot as a template of this name")
 
 
-class SnapshotInfo(BaseModel):
+class SnapshotInfo(Reply):
     snapshotID: str
     names: list[str]
 
 
-class Template(BaseModel):
+class Template(Reply):
     templateID: str
     buildID: str
     cpuCount: int

@@ -12,16 +12,23 @@ store, so a restarted node lists its paused sandboxes and resumes them.
 A reaper thread applies lifetimes once a second; a pool thread refills
 warm pools. `reap(now)` and `fill_pools()` are plain methods so tests drive
 them directly.
+
+Besides sandboxes, the node answers for what its store names (`catalog`:
+snapshots, templates, images, chunks), for operator work on its stores
+(`maintenance`: GC, push, pull) and for its mount daemon's chunk cache. The
+HTTP layer (api/app.py, api/routes/) calls one of these per request.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
@@ -31,14 +38,18 @@ from layerstore.templates import check_template_name
 from vmm.registry import SandboxRecord, new_sid
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
+from . import listing
+from . import models as m
+from .catalog import Catalog
+from .errors import Capacity
+from .maintenance import Maintenance
 from .metrics import Metrics
 
 log = logging.getLogger("strata.api")
 POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
 
 
-class Capacity(StrataError):
-    """The node holds as many sandboxes as it is configured to."""
+__all__ = ["Capacity", "Node", "Source"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,9 @@ class Node:
         self._pool_retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
         self._capacity_lock = threading.Lock()
         self._reserved: set[str] = set()  # ids of sandboxes being created
+        self.catalog = Catalog(store, memory_mib=config.sandbox_memory, uploads=Path(config.state_dir) / "uploads",
+                               max_upload=config.max_upload, in_use=self.snapshots_in_use)
+        self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
@@ -342,6 +356,69 @@ class Node:
         from layerstore.reach import Name
 
         return [Name("layer", m) for m in sandbox_layers(self.boxes.mount, env=self.boxes.control_env)]
+
+    # what E2B's API shows of sandboxes ------------------------------------------------------
+    def _disk_mb(self, record: SandboxRecord) -> int:
+        """The sandbox disk's size as the mount shows it (0 once paused: the VM's disk is gone)."""
+        if record.state == "suspended":
+            return 0
+        try:
+            return os.stat(self.boxes.mount / "sandboxes" / record.sid / "disk.img").st_size >> 20
+        except OSError:
+            return 0
+
+    def list_sandboxes(self, *, metadata: dict[str, str], states: frozenset[str]) -> list[m.ListedSandbox]:
+        """E2B's GET /sandboxes: the selected sandboxes in registry order, unpaged."""
+        return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r))
+                for r in listing.select(self.records(), metadata=metadata, states=states)]
+
+    def list_sandboxes_page(self, *, metadata: dict[str, str], states: frozenset[str], order: str, limit: int,
+                            token: str | None) -> tuple[list[m.ListedSandbox], str | None]:
+        """E2B's GET /v2/sandboxes: one page by start time, and the next page's token."""
+        rows, next_token = listing.page(listing.select(self.records(), metadata=metadata, states=states),
+                                        order=order, limit=limit, token=token)
+        return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r)) for r in rows], next_token
+
+    def sandbox_detail(self, sid: str) -> m.SandboxDetail:
+        record = self.record(sid)
+        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record))
+
+    def all_records(self) -> list[dict]:
+        """Every sandbox record, warm pool included, as the VMM layer keeps it (for operators)."""
+        return self.boxes.list()
+
+    # the mount daemon: health and chunk cache ---------------------------------------------------
+    # One line each, the daemon's own operations, so a typed client can replace them as they are.
+    def mount_ping(self) -> None:
+        self.boxes.control({"op": "ping"})
+
+    def cache_stats(self) -> dict:
+        return self.boxes.control({"op": "stats"})
+
+    def cache_drop(self) -> dict:
+        return self.boxes.control({"op": "cache_drop"})
+
+    def pin(self, image: str) -> dict:
+        return self.boxes.control({"op": "pin", "image": image})
+
+    def unpin(self, image: str) -> dict:
+        return self.boxes.control({"op": "unpin", "image": image})
+
+    def cache_summary(self) -> m.CacheStats:
+        """The chunk cache's counters, where fetched chunks came from, and memory hits."""
+        reply = self.cache_stats()
+        return m.CacheStats.model_validate({**reply["cache"], "memory_hits": reply["memory_hits"],
+                                            "backend_fetches": reply["fetches"], "sources": reply.get("sources", {})})
+
+    def health(self) -> m.Health:
+        """Degraded when the mount daemon does not answer: sandboxes cannot start or resume."""
+        try:
+            self.mount_ping()
+            mounted = True
+        except StrataError:
+            mounted = False
+        return m.Health(status="ok" if mounted else "degraded", store=self.store.describe(), mount=mounted,
+                        sandboxes=len(self.records()))
 
     def snapshots_in_use(self) -> dict[str, list[str]]:
         """Snapshot id -> what still needs it (templates, paused sandboxes)."""

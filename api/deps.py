@@ -1,0 +1,62 @@
+"""What routes share: the node, authentication, and the Server-Timing header.
+
+The node is the app's state (`app.state.node`), reached per request through
+`get_node`, so routes hold no closures over it and an app can be built
+without one (for the OpenAPI document).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+from fastapi import Depends, Request, Response
+from fastapi.security import APIKeyHeader
+from starlette.exceptions import HTTPException
+
+from .node import Node
+
+KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description="an API key (STRATA_API_KEYS)")
+
+
+async def get_node(request: Request) -> Node:
+    return request.app.state.node
+
+
+NodeDep = Annotated[Node, Depends(get_node)]
+
+
+def _match(given: str | None, keys: tuple[str, ...]) -> bool:
+    # compare against every key, constant-time each, so timing reveals nothing
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest((given or "").encode(), key.encode())
+    return ok and bool(given)
+
+
+async def api_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> None:
+    """Every route but /health: any API key (admin keys are API keys too)."""
+    if not _match(key, node.config.api_keys):
+        raise HTTPException(401, "missing or invalid X-API-Key")
+
+
+async def admin_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> None:
+    """/admin/*: an admin key; a plain API key is known but not allowed (403)."""
+    if not _match(key, node.config.admin_keys):
+        raise HTTPException(401 if not _match(key, node.config.api_keys) else 403, "an admin key is required")
+
+
+AUTH = (Depends(api_key),)
+ADMIN = (Depends(admin_key),)
+
+
+@contextmanager
+def vmm_timing(node: Node, response: Response) -> Iterator[None]:
+    """Report the share of the enclosed node action spent in the VMM layer
+    (Server-Timing), for clients and the benchmark. Used inside the route's
+    own body because the node counts VMM time per thread."""
+    node.take_vmm_seconds()  # drop what a failed request left on this thread
+    yield
+    response.headers["Server-Timing"] = f"vmm;dur={node.take_vmm_seconds() * 1e3:.2f}"

@@ -1,0 +1,80 @@
+"""Every error the API answers with, and the one place that maps them to HTTP.
+
+Errors are `{"code", "message"}` with:
+
+    error class              status          meaning
+    NotFound                 404             unknown id, ref, template
+    InvalidInput, bad body   400             nothing was changed
+    Conflict, MissingChunk   409             wrong state / snapshot incomplete
+    TooLarge                 413             upload over the node's limit
+    Capacity                 429             node full (Should-Retry: false)
+    BackendUnavailable       503             object store down (Should-Retry: false)
+    AccessDenied             502             the object store refused the node's credentials
+    other StrataError        500             e.g. the VMM failed; message says why
+
+The API's own failures (Capacity, TooLarge) live here rather than in
+node.py so the modules raising them and the mapping share one definition.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from layerstore.errors import (AccessDenied, BackendUnavailable, Conflict, InvalidInput, MissingChunk, NotFound,
+                               StrataError)
+
+from . import models as m
+
+
+class Capacity(StrataError):
+    """The node holds as many sandboxes as it is configured to."""
+
+
+class TooLarge(InvalidInput):
+    """An upload is bigger than the node accepts (config `max_upload`)."""
+
+
+# first match wins: TooLarge before its base class InvalidInput
+STATUS: tuple[tuple[type[StrataError], int], ...] = (
+    (NotFound, 404), (TooLarge, 413), (InvalidInput, 400), (Conflict, 409), (MissingChunk, 409), (Capacity, 429),
+    (BackendUnavailable, 503), (AccessDenied, 502))
+NO_RETRY = (429, 503)  # E2B's SDK retries unless told not to; neither clears up by retrying at once
+DOCUMENTED = {code: {"model": m.Error} for code in (400, 401, 403, 404, 409, 413, 429, 500, 503)}
+
+
+def status_of(exc: StrataError) -> int:
+    return next((code for cls, code in STATUS if isinstance(exc, cls)), 500)
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
+
+
+async def _strata_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StrataError)
+    request.app.state.node.metrics.error(exc)
+    status = status_of(exc)
+    return error_response(status, str(exc), {"Should-Retry": "false"} if status in NO_RETRY else None)
+
+
+async def _bad_request(_request: Request, exc: Exception) -> JSONResponse:
+    # E2B answers a malformed body with 400, not FastAPI's 422
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return error_response(400, f"invalid request: {where + ': ' if where else ''}{first.get('msg', 'malformed')}")
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail))
+
+
+def install(app: FastAPI) -> None:
+    """Answer every error of `app` as `{"code", "message"}` with the status above."""
+    app.add_exception_handler(StrataError, _strata_error)
+    app.add_exception_handler(RequestValidationError, _bad_request)
+    app.add_exception_handler(HTTPException, _http_error)

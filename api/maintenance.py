@@ -1,0 +1,61 @@
+"""Operator work on the stores: garbage collection of this node's store or
+of its remote, and copying images, snapshots and templates between them.
+
+The remote (config `remote`) is opened per operation and closed after, one
+open at a time per node: its catalog is shared with every other node, and
+an operation that holds it open for minutes should not be joined by a
+second one from the same node.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from layerstore.config import NodeConfig
+from layerstore.errors import Conflict
+from layerstore.gc import collect
+from layerstore.reach import Name
+from layerstore.store import Store
+from layerstore.transfer import copy
+
+
+class Maintenance:
+    def __init__(self, store: Store, config: NodeConfig, *, gc_roots: Callable[[], list[Name]]) -> None:
+        """`gc_roots` names what GC of this node's store must keep beyond its
+        own refs, templates and snapshots (what running sandboxes sit on)."""
+        self.store = store
+        self._config = config
+        self._gc_roots = gc_roots
+        self._remote_lock = threading.Lock()
+
+    @contextmanager
+    def _remote(self) -> Iterator[Store]:
+        if not self._config.remote:
+            raise Conflict("this node has no remote store (config `remote`, STRATA_REMOTE)")
+        from layerstore.store import open_store
+
+        with self._remote_lock, open_store(self._config.remote, env={**os.environ, **self._config.env()}) as remote:
+            yield remote
+
+    def gc(self, *, grace: float, dry_run: bool, remote: bool = False) -> dict:
+        """Collect garbage (two phases, `grace` seconds, leases) in this node's store or its remote."""
+        if remote:
+            with self._remote() as store:
+                return collect(store, grace=grace, dry_run=dry_run).as_dict()
+        return collect(self.store, grace=grace, dry_run=dry_run, extra_roots=self._gc_roots()).as_dict()
+
+    def push(self, name: str) -> dict:
+        """Copy an image, snapshot or template and all it needs to the remote."""
+        with self._remote() as remote:
+            return copy(self.store, remote, name).as_dict()
+
+    def pull(self, name: str, *, full: bool) -> dict:
+        """Fetch `name` from the remote: every chunk (`full`), or only the
+        manifests, the chunks then read from the remote as needed."""
+        if not full and self.store.remote is None:
+            raise Conflict("a lazy pull needs the node to read chunks from its remote (config `remote`)")
+        with self._remote() as remote:
+            return copy(remote, self.store, name, chunks=full).as_dict()

@@ -1,0 +1,35 @@
+"""The node itself: health (open to all), metrics, the API's own description, cache statistics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from .. import models as m
+from ..deps import AUTH, NodeDep
+
+router = APIRouter(tags=["node"])
+cache_router = APIRouter(tags=["cache"], dependencies=AUTH)
+
+
+@router.get("/openapi.json", dependencies=AUTH, include_in_schema=False)
+def openapi(request: Request) -> dict:
+    """Served with a key only: the document lists every operation the node has."""
+    return request.app.openapi()
+
+
+@router.get("/health", response_model=m.Health, responses={503: {"model": m.Health}})
+def health(node: NodeDep) -> JSONResponse:
+    body = node.health()
+    return JSONResponse(body.model_dump(), status_code=200 if body.mount else 503)
+
+
+@router.get("/metrics", dependencies=AUTH, response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+def metrics(node: NodeDep) -> Response:
+    return Response(node.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@cache_router.get("/cache", response_model=m.CacheStats)
+def cache_stats(node: NodeDep) -> m.CacheStats:
+    return node.cache_summary()

@@ -1,0 +1,120 @@
+"""E2B's sandbox lifecycle (paths, bodies and status codes as E2B's API has
+them), plus Strata's fork and exec."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Response
+
+from .. import models as m
+from ..deps import AUTH, NodeDep, vmm_timing
+from ..listing import metadata_query, states_query
+
+router = APIRouter(tags=["sandboxes"], dependencies=AUTH)
+METADATA = Query(None, description="k=v&k2=v2 (URL-encoded)")
+NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
+                                                 "description": "cursor of the next page, if any"}}}}
+
+
+@router.post("/v2/sandboxes", status_code=201, response_model=m.Sandbox, operation_id="create_sandbox_v2",
+             summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
+@router.post("/sandboxes", status_code=201, response_model=m.Sandbox, operation_id="create_sandbox",
+             summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
+def create(body: m.NewSandbox, response: Response, node: NodeDep) -> m.Sandbox:
+    with vmm_timing(node, response):
+        record = node.create(body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
+                             metadata=body.metadata)
+    return m.Sandbox.of(record)
+
+
+@router.get("/sandboxes", response_model=list[m.ListedSandbox])
+def list_running(node: NodeDep, metadata: str | None = METADATA) -> list[m.ListedSandbox]:
+    return node.list_sandboxes(metadata=metadata_query(metadata), states=frozenset({"running"}))
+
+
+@router.get("/v2/sandboxes", response_model=list[m.ListedSandbox], responses=NEXT_TOKEN)
+def list_v2(response: Response, node: NodeDep,
+            metadata: str | None = METADATA,
+            state: str | None = Query(None, description="running,paused (default both)"),
+            limit: int = Query(100, ge=1, le=100),
+            nextToken: str | None = Query(None),
+            order: str = Query("desc", pattern="^(asc|desc)$")) -> list[m.ListedSandbox]:
+    wanted = metadata_query(metadata)
+    rows, next_token = node.list_sandboxes_page(metadata=wanted, states=states_query(state), order=order,
+                                                limit=limit, token=nextToken)
+    if next_token is not None:
+        response.headers["X-Next-Token"] = next_token
+    return rows
+
+
+@router.get("/sandboxes/{sandboxID}", response_model=m.SandboxDetail)
+def get_sandbox(sandboxID: str, node: NodeDep) -> m.SandboxDetail:
+    return node.sandbox_detail(sandboxID)
+
+
+@router.delete("/sandboxes/{sandboxID}", status_code=204)
+def kill_sandbox(sandboxID: str, node: NodeDep) -> Response:
+    response = Response(status_code=204)
+    with vmm_timing(node, response):
+        node.kill(sandboxID)
+    return response
+
+
+@router.post("/sandboxes/{sandboxID}/pause", status_code=204,
+             summary="Snapshot the sandbox to the store and free its VM (409 if already paused)")
+def pause_sandbox(sandboxID: str, node: NodeDep, body: m.SandboxPauseRequest | None = None) -> Response:
+    response = Response(status_code=204)
+    with vmm_timing(node, response):
+        node.pause(sandboxID)
+    return response
+
+
+@router.post("/sandboxes/{sandboxID}/resume", status_code=201, response_model=m.Sandbox,
+             summary="Resume a paused sandbox (409 if running)")
+def resume_sandbox(sandboxID: str, response: Response, node: NodeDep,
+                   body: m.ResumedSandbox | None = None) -> m.Sandbox:
+    with vmm_timing(node, response):
+        record = node.resume(sandboxID, body.timeout if body else None)
+    return m.Sandbox.of(record)
+
+
+CONNECT = dict(response_model=m.Sandbox,
+               responses={201: {"model": m.Sandbox, "description": "the sandbox was paused and is resumed"}},
+               summary="200 if running (TTL extended), 201 if it was paused and is resumed")
+
+
+@router.post("/v2/sandboxes/{sandboxID}/connect", operation_id="connect_sandbox_v2", **CONNECT)
+@router.post("/sandboxes/{sandboxID}/connect", operation_id="connect_sandbox", **CONNECT)
+def connect(sandboxID: str, response: Response, node: NodeDep, body: m.ConnectSandbox | None = None) -> m.Sandbox:
+    with vmm_timing(node, response):
+        record, resumed = node.connect(sandboxID, body.timeout if body else None)
+    response.status_code = 201 if resumed else 200
+    return m.Sandbox.of(record)
+
+
+@router.post("/sandboxes/{sandboxID}/timeout", status_code=204)
+def set_timeout(sandboxID: str, body: m.SandboxTimeoutRequest, node: NodeDep) -> Response:
+    node.set_timeout(sandboxID, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandboxID}/refreshes", status_code=204)
+def refresh(sandboxID: str, node: NodeDep, body: m.SandboxRefreshRequest | None = None) -> Response:
+    node.refresh(sandboxID, body.duration if body else None)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandboxID}/fork", status_code=201, response_model=list[m.SandboxForkResult],
+             summary="Snapshot once, start `count` independent copies (the source keeps running)")
+def fork(sandboxID: str, response: Response, node: NodeDep,
+         body: m.SandboxForkRequest | None = None) -> list[m.SandboxForkResult]:
+    body = body or m.SandboxForkRequest()  # E2B's body is optional: one fork, the default lifetime
+    with vmm_timing(node, response):
+        records = node.fork(sandboxID, body.count, body.timeout)
+    return [m.SandboxForkResult(sandbox=m.Sandbox.of(r)) for r in records]
+
+
+@router.post("/sandboxes/{sandboxID}/exec", response_model=m.ExecResult,
+             summary="Strata: run a shell command in the sandbox through its agent")
+def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep) -> m.ExecResult:
+    result = node.exec(sandboxID, body.command, body.timeout)
+    return m.ExecResult(exitCode=result.exit_code, output=result.output)

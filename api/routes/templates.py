@@ -1,0 +1,27 @@
+"""Templates: a name for an imported image or a snapshot, what sandboxes are created from."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from .. import models as m
+from ..deps import AUTH, NodeDep
+
+router = APIRouter(tags=["templates"], dependencies=AUTH)
+
+
+@router.get("/templates", response_model=list[m.Template])
+def list_templates(node: NodeDep) -> list[m.Template]:
+    return node.catalog.templates()
+
+
+@router.post("/templates", status_code=201, response_model=m.Template,
+             summary="Strata: name an imported image or a snapshot as a template")
+def create_template(body: m.NewTemplate, node: NodeDep) -> m.Template:
+    return node.catalog.create_template(body.name, image=body.image, snapshot=body.snapshot)
+
+
+@router.delete("/templates/{templateID}", status_code=204)
+def delete_template(templateID: str, node: NodeDep) -> Response:
+    node.catalog.delete_template(templateID)
+    return Response(status_code=204)

@@ -1,0 +1,60 @@
+"""Staging a streamed upload in a file, within the node's size limit.
+
+An image upload can be far bigger than memory, so the body goes to a file
+under the node's state directory (the same filesystem the import reads
+from) in large blocks written off the event loop, and the file is removed
+whatever happens. The limit is checked from Content-Length before a byte is
+read, and again as bytes arrive, for clients that stream without one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+import anyio
+
+from layerstore.errors import InvalidInput
+
+from .errors import TooLarge
+
+BLOCK = 1 << 20
+
+
+@asynccontextmanager
+async def staged(chunks: AsyncIterator[bytes], *, directory: Path, limit: int,
+                 declared: str | None = None) -> AsyncIterator[Path]:
+    """The body `chunks` as a file in `directory` for the duration of the
+    block; `declared` is the request's Content-Length, if it sent one."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"image of {declared} bytes exceeds the {limit}-byte upload limit")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".upload-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            received = await _receive(chunks, f, limit=limit)
+        if received == 0:
+            raise InvalidInput("empty upload: send the raw image as the request body")
+        yield Path(tmp)
+    finally:
+        os.unlink(tmp)
+
+
+async def _receive(chunks: AsyncIterator[bytes], f: BinaryIO, *, limit: int) -> int:
+    """Copy `chunks` into the open file `f`; returns the bytes received."""
+    received = 0
+    pending = bytearray()
+    async for part in chunks:
+        received += len(part)
+        if received > limit:
+            raise TooLarge(f"upload exceeds the {limit}-byte limit")
+        pending += part
+        if len(pending) >= BLOCK:  # write in large blocks, off the event loop
+            await anyio.to_thread.run_sync(f.write, bytes(pending))
+            pending.clear()
+    await anyio.to_thread.run_sync(f.write, bytes(pending))
+    return received

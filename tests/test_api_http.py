@@ -1,0 +1,87 @@
+"""The HTTP layer alone, in-process, over a stand-in node: authentication,
+the error mapping, and the headers routes add (Server-Timing, X-Next-Token,
+Should-Retry). Seconds, no VMM; tests/test_api.py covers a real node."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.errors import Capacity
+from api.metrics import Metrics
+from layerstore.errors import NotFound
+from vmm.registry import SandboxRecord
+
+KEY, ADMIN = "api-key-0001", "admin-key-0001"
+
+
+def _record(sid: str, created: float, state: str = "running") -> SandboxRecord:
+    return SandboxRecord(sid=sid, backend="qemu", source="image:guest:v1", memory_mib=256, state=state,
+                         created=created, template="base", metadata={"owner": "me"}, end_at=created + 60)
+
+
+class StandIn:
+    """The Node methods the routes under test call, and nothing else."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(api_keys=(KEY, ADMIN), admin_keys=(ADMIN,))
+        self.metrics = Metrics()
+        self.vmm_seconds = 0.0
+
+    def take_vmm_seconds(self) -> float:
+        taken, self.vmm_seconds = self.vmm_seconds, 0.0
+        return taken
+
+    def create(self, template_id: str, **_: object) -> SandboxRecord:
+        if template_id == "full":
+            raise Capacity("this node holds 2 sandboxes; the limit is 2")
+        self.vmm_seconds = 0.25
+        return _record("sb1", time.time())
+
+    def kill(self, sid: str) -> None:
+        raise NotFound(f"sandbox {sid} not found")
+
+    def list_sandboxes_page(self, *, limit: int, token: str | None, **_: object) -> tuple[list, str | None]:
+        from api import listing, models as m
+
+        rows, next_token = listing.page([_record(f"sb{i}", 1000.0 + i) for i in range(3)], order="desc",
+                                        limit=limit, token=token)
+        return [m.ListedSandbox.of(r, disk_mb=0) for r in rows], next_token
+
+
+@pytest.fixture()
+def client() -> TestClient:
+    return TestClient(create_app(StandIn()), headers={"X-API-Key": KEY})  # type: ignore[arg-type]
+
+
+def test_auth_and_openapi(client: TestClient) -> None:
+    assert client.get("/v2/sandboxes", headers={"X-API-Key": "wrong-key-123"}).json()["code"] == 401
+    assert client.get("/admin/sandboxes").status_code == 403
+    assert client.get("/openapi.json", headers={"X-API-Key": ""}).status_code == 401
+    assert client.get("/openapi.json").json()["info"]["title"] == "Strata node API"
+    assert client.get("/docs").status_code == 404
+
+
+def test_errors_and_headers(client: TestClient) -> None:
+    r = client.post("/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 201 and r.headers["Server-Timing"] == "vmm;dur=250.00", r.text
+    assert r.json()["sandboxID"] == "sb1" and r.json()["envdVersion"]
+    r = client.post("/sandboxes", json={"templateID": "full"})
+    assert r.status_code == 429 and r.headers["Should-Retry"] == "false" and "limit is 2" in r.json()["message"]
+    r = client.delete("/sandboxes/nope")
+    assert r.status_code == 404 and r.json() == {"code": 404, "message": "sandbox nope not found"}
+    assert "Server-Timing" not in r.headers
+    r = client.post("/sandboxes", json={"templateID": 5})
+    assert r.status_code == 400 and r.json()["message"].startswith("invalid request: templateID")
+
+
+def test_pages(client: TestClient) -> None:
+    first = client.get("/v2/sandboxes", params={"limit": 2})
+    assert [s["sandboxID"] for s in first.json()] == ["sb2", "sb1"]
+    rest = client.get("/v2/sandboxes", params={"limit": 2, "nextToken": first.headers["X-Next-Token"]})
+    assert [s["sandboxID"] for s in rest.json()] == ["sb0"] and "X-Next-Token" not in rest.headers
+    assert client.get("/v2/sandboxes", params={"nextToken": "abc"}).status_code == 400
