@@ -4,7 +4,7 @@ images, and chunk objects for peers.
 Lookups by client-given names are strict: text that cannot be a snapshot id,
 image ref or chunk digest is simply unknown (404), so a path-like name never
 reaches the store. A snapshot is deleted only when nothing needs it any more
-(`in_use`: templates and paused sandboxes, which the node knows about).
+(templates, and the paused sandboxes the node reports as `node_users`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 import anyio
 
 from layerstore.chunk import chunk_key
-from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
+from layerstore import inventory
+from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
 from layerstore.store import Store, inspect_image
@@ -23,15 +24,6 @@ from layerstore.templates import Template, new_template
 
 from . import models as m
 from .uploads import staged
-
-MAX_PARENTS = 1000  # a parent chain longer than this is reported cut short
-
-
-def _snapshot_id(text: str) -> str:
-    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
-        raise NotFound(f"snapshot {text!r} not found")
-    return text
-
 
 def _ref(text: str) -> str:
     try:
@@ -42,72 +34,34 @@ def _ref(text: str) -> str:
 
 class Catalog:
     def __init__(self, store: Store, *, memory_mib: int, uploads: Path, max_upload: int,
-                 in_use: Callable[[], dict[str, list[str]]]) -> None:
+                 node_users: Callable[[], dict[str, list[str]]]) -> None:
         """`memory_mib` is what a template's sandboxes get (E2B shows it per
         template); uploads are staged under `uploads`, at most `max_upload` bytes."""
         self.store = store
         self._memory_mib = memory_mib
         self._uploads = uploads
         self._max_upload = max_upload
-        self._in_use = in_use
+        self._node_users = node_users  # snapshot id -> the node's paused sandboxes waking from it
 
-    # snapshots ------------------------------------------------------------------------
+    # snapshots (layerstore/inventory.py answers; this only shapes the reply) ------------
     def snapshots(self, *, sandbox: str | None = None, name: str | None = None) -> list[m.SnapshotInfo]:
         """Every snapshot with the templates naming it, optionally only those
         taken of `sandbox` or named `name`."""
-        names: dict[str, list[str]] = {}
-        for template in self.store.list_templates():
-            if template.kind == "snapshot":
-                names.setdefault(template.target, []).append(template.name)
-        out = []
-        for snapshot_id in self.store.list_snapshots():
-            if name is not None and name not in names.get(snapshot_id, []):
-                continue
-            if sandbox is not None and self._taken_of(snapshot_id) != sandbox:
-                continue
-            out.append(m.SnapshotInfo(snapshotID=snapshot_id, names=names.get(snapshot_id, [])))
-        return out
-
-    def _taken_of(self, snapshot_id: str) -> str | None:
-        try:
-            return self.store.get_snapshot(snapshot_id).annotations.get("sandbox")
-        except StrataError:
-            return None  # unreadable (e.g. deleted meanwhile): matches no sandbox
+        return [m.SnapshotInfo(snapshotID=s.snapshot_id, names=s.names)
+                for s in inventory.list_snapshots(self.store, sandbox=sandbox, name=name)]
 
     def snapshot(self, snapshot_id: str) -> m.SnapshotDetail:
         """A snapshot's parent chain, layers and stored size, and the templates naming it."""
-        snap = self.store.get_snapshot(_snapshot_id(snapshot_id))
-        layers, all_digests = [], set()
-        for role, layer_id in sorted(snap.layers.items()):
-            layer, chunk_map = self.store.chunk_map(layer_id)
-            digests = set(chunk_map.values())
-            all_digests |= digests
-            layers.append(m.SnapshotLayer(role=role, manifest=layer_id, size=layer.size,
-                                          stored_bytes=sum(self.store.stored_sizes(digests).values())))
-        users = self._in_use().get(snapshot_id, [])
-        return m.SnapshotDetail(snapshotID=snapshot_id, parents=self._parents(snap.parent), layers=layers,
-                                stored_bytes=sum(self.store.stored_sizes(all_digests).values()),
-                                vm=dict(snap.vm), annotations=dict(snap.annotations),
-                                templates=[u.split(" ", 1)[1] for u in users if u.startswith("template ")])
-
-    def _parents(self, parent: str | None) -> list[str]:
-        """The parent chain from `parent`, nearest first, up to the first one missing."""
-        parents = []
-        while parent and len(parents) < MAX_PARENTS:
-            parents.append(parent)
-            try:
-                parent = self.store.get_snapshot(parent).parent
-            except NotFound:
-                break
-        return parents
+        d = inventory.inspect_snapshot(self.store, snapshot_id, node_users=self._node_users())
+        layers = [m.SnapshotLayer(role=x.role, manifest=x.manifest, size=x.size, stored_bytes=x.stored_bytes)
+                  for x in d.layers]
+        return m.SnapshotDetail(snapshotID=d.snapshot_id, parents=d.parents, layers=layers,
+                                stored_bytes=d.stored_bytes, vm=d.vm, annotations=d.annotations,
+                                templates=d.templates)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete a snapshot manifest (Conflict while a template or paused sandbox needs it)."""
-        self.store.get_snapshot(_snapshot_id(snapshot_id))
-        users = self._in_use().get(snapshot_id)
-        if users:
-            raise Conflict(f"snapshot {snapshot_id} is still used by {', '.join(users)}")
-        self.store.delete_snapshot(snapshot_id)
+        inventory.delete_snapshot(self.store, snapshot_id, node_users=self._node_users())
 
     # templates ------------------------------------------------------------------------
     def _template(self, t: Template) -> m.Template:

@@ -46,10 +46,8 @@ class NodeContext:
         pull source). Only the node's own store reads through peers and the
         remote: another store is opened bare."""
         own = spec is None or spec == self.config.store
-        options = self.config.store_options()
-        if not own:
-            options.update(remote="", peers=())
-        return open_store(spec or self.config.store, level=level or DEFAULT_LEVEL, **options)
+        return open_store(spec or self.config.store, level=level or DEFAULT_LEVEL,
+                          **self.config.store_options(own=own))
 
     def mount_client(self, mountpoint: Path | None = None) -> MountClient:
         """The control client of the daemon serving `mountpoint` (default: the node's mount)."""

@@ -9,7 +9,6 @@ second one from the same node.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +36,7 @@ class Maintenance:
             raise Conflict("this node has no remote store (config `remote`, STRATA_REMOTE)")
         from layerstore.store import open_store
 
-        with self._remote_lock, open_store(self._config.remote, env={**os.environ, **self._config.env()}) as remote:
+        with self._remote_lock, open_store(self._config.remote, **self._config.store_options(own=False)) as remote:
             yield remote
 
     def gc(self, *, grace: float, dry_run: bool, remote: bool = False) -> dict:
@@ -55,7 +54,5 @@ class Maintenance:
     def pull(self, name: str, *, full: bool) -> dict:
         """Fetch `name` from the remote: every chunk (`full`), or only the
         manifests, the chunks then read from the remote as needed."""
-        if not full and self.store.remote is None:
-            raise Conflict("a lazy pull needs the node to read chunks from its remote (config `remote`)")
-        with self._remote() as remote:
+        with self._remote() as remote:  # the node reads chunks it lacks from this same remote
             return copy(remote, self.store, name, chunks=full).as_dict()

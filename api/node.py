@@ -73,7 +73,8 @@ class Node:
         self._capacity_lock = threading.Lock()
         self._reserved: set[str] = set()  # ids of sandboxes being created
         self.catalog = Catalog(store, memory_mib=config.sandbox_memory, uploads=Path(config.state_dir) / "uploads",
-                               max_upload=config.max_upload, in_use=self.snapshots_in_use)
+                               max_upload=config.max_upload,
+                               node_users=boxes.registry.snapshot_users)
         self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
 
     # background work ---------------------------------------------------------------
@@ -419,14 +420,3 @@ class Node:
             mounted = False
         return m.Health(status="ok" if mounted else "degraded", store=self.store.describe(), mount=mounted,
                         sandboxes=len(self.records()))
-
-    def snapshots_in_use(self) -> dict[str, list[str]]:
-        """Snapshot id -> what still needs it (templates, paused sandboxes)."""
-        users: dict[str, list[str]] = {}
-        for template in self.store.list_templates():
-            if template.kind == "snapshot":
-                users.setdefault(template.target, []).append(f"template {template.name}")
-        for record in self.boxes.registry.all():
-            if record.state == "suspended" and record.last_snapshot:
-                users.setdefault(record.last_snapshot, []).append(f"paused sandbox {record.sid}")
-        return users

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from .chunk import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL
 from .config import NodeConfig, parse_bytes
-from .errors import InvalidInput
+from .errors import InvalidInput, StrataError
 from .reach import Name
 from .store import Store, inspect_image
 

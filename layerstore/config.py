@@ -219,12 +219,14 @@ class NodeConfig:
         """Every setting by name (for display: `strata config check`)."""
         return {f.name: getattr(self, f.name) for f in FIELDS}
 
-    def store_options(self) -> dict[str, Any]:
-        """How to open this node's stores: the keyword arguments of
-        `layerstore.store.open_store` that come from configuration."""
+    def store_options(self, *, own: bool = True) -> dict[str, Any]:
+        """How to open a store on this node: the keyword arguments of
+        `layerstore.store.open_store` that come from configuration. Only the
+        node's own store (`own`) reads through its peers and remote; another
+        store (a push target, a pull source, the remote itself) is opened bare."""
         return {"s3_endpoint": self.s3_endpoint, "s3_region": self.s3_region,
-                "s3_path_style": self.s3_path_style != "false", "remote": self.remote, "peers": self.peers,
-                "peer_key": self.peer_key, "state_dir": self.state_dir}
+                "s3_path_style": self.s3_path_style != "false", "remote": self.remote if own else "",
+                "peers": self.peers if own else (), "peer_key": self.peer_key, "state_dir": self.state_dir}
 
     def env(self) -> dict[str, str]:
         """The settings as environment variables (secrets left out)."""

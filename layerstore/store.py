@@ -55,10 +55,10 @@ from .catalog import Catalog
 from .chunk import CHUNK_PREFIX, DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decode_chunk, encode_chunk
 from .digest import check_digest, digest_bytes
 from .config import DEFAULT_STATE_DIR
-from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
+from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
-from .readthrough import Fallback, ReadThroughBackend, Source
+from .readthrough import Fallback, ReadThroughBackend
 from .refs import REF_PREFIX, Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
 from .templates import Template, parse_template, template_key
@@ -105,12 +105,6 @@ class Store:
         """Where chunks read by this process came from: local, peer, remote; peer_rejected
         counts objects that failed verification (the mount daemon reports these)."""
         return self.read_path.counts
-
-    @property
-    def remote(self) -> Source | None:
-        """Transitional, for api/app.py's lazy-pull check (which should ask its config's `remote`
-        instead): the read path's remote store, or None. Remove once nothing reads it."""
-        return next((f.source for f in self.read_path.fallbacks if f.label == "remote"), None)
 
     def describe(self) -> str:
         return self.backend.describe()
