@@ -34,7 +34,7 @@ def watch_metrics(node: Node) -> None:
         return counts
 
     def cache() -> dict[str, int]:
-        reply = node.boxes.control({"op": "stats"})
+        reply = node.cache_stats()
         return {**reply["cache"], "memory_hits": reply["memory_hits"]}
 
     node.metrics.watch(states, cache)

@@ -1,7 +1,7 @@
 """Peer fetch: other nodes as read-through sources of chunks.
 
 A node serves the chunk objects its own store holds at `GET /chunks/{digest}`
-(authenticated, api/app.py). A node's read path (store.open_store) asks its
+(authenticated, api/routes/peers.py). A node's read path (store.open_store) asks its
 peers, one at a time with short timeouts, after its own store and before
 the remote store:
 
