@@ -129,138 +129,174 @@ def import_image(
     started = time.monotonic()
     check_chunk_size(chunk_size)
     target = parse_ref(ref) if isinstance(ref, str) else ref
-    parent_map: dict[int, str] = {}
-    if parent is not None:
-        parent_top, parent_map = store.chunk_map(parent)
-        if parent_top.chunk_size != chunk_size:
-            raise InvalidInput(f"parent layer uses {parent_top.chunk_size}-byte chunks, this import {chunk_size}")
+    if slots is not None and parent is None:
+        raise InvalidInput("slots need a parent layer")
+    parent_map = _parent_map(store, parent, chunk_size)
     path = Path(path)
     fd, size = _open_image(path)
     workers = workers or max(2, os.cpu_count() or 2)
-    upload_concurrency = upload_concurrency or max(4, workers * 2)
-    window = window or max(32, workers * 8)
-    result = ImportResult(manifest_id="", ref=str(target) if target else None, size=size, chunk_size=chunk_size, parent=parent)
-    # The lease keeps a concurrent GC from deleting a chunk this import finds
-    # already stored (and so does not upload) before the manifest names it.
-    lease = Lease(store.backend, f"import {path.name}")
+    result = ImportResult(manifest_id="", ref=str(target) if target else None, size=size, chunk_size=chunk_size,
+                          parent=parent)
     try:
-        lease.__enter__()
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        if slots is not None:
-            if parent is None:
-                raise InvalidInput("slots need a parent layer")
-            count = -(-size // chunk_size)
-            indices = sorted({i for i in slots if 0 <= i < count})
-        else:
-            indices = list(data_chunks(fd, size, chunk_size))
-        if on_total:
-            on_total(sum(min(chunk_size, size - i * chunk_size) for i in indices))
-        level = store.level if level is None else level
-        zero = bytes(chunk_size)
-        local = threading.local()
-        chunk_digests: dict[int, str] = {}
-        seen: set[str] = set()
-        errors: list[BaseException] = []
-        stats_lock = threading.Lock()
-        inflight = threading.BoundedSemaphore(upload_concurrency * 2)
-        uploaded: list[tuple[str, int, int]] = []
-
-        def compressor() -> zstandard.ZstdCompressor:
-            cctx = getattr(local, "cctx", None)
-            if cctx is None:
-                cctx = local.cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-            return cctx
-
-        def read(index: int, buf: bytearray) -> memoryview:
-            try:
-                n = os.preadv(fd, [buf], index * chunk_size)
-            except OSError as exc:
-                raise InvalidInput(f"{path}: read error at offset {index * chunk_size} ({exc.strerror})") from None
-            expected = min(chunk_size, size - index * chunk_size)
-            if n != expected:
-                raise InvalidInput(f"{path}: changed while importing (short read at offset {index * chunk_size})")
-            return memoryview(buf)[:n]
-
-        def read_hash(index: int) -> tuple[int, str | None, bytes | None, int]:
-            # Reads into a per-thread buffer (no 1 MiB allocation per chunk) and
-            # compresses right away unless this node already stored the chunk:
-            # then only the (smaller) compressed object waits for the batch check.
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = bytearray(chunk_size)
-            view = read(index, buf)
-            n = len(view)
-            if (buf == zero) if n == chunk_size else (bytes(view) == zero[:n]):
-                return index, None, None, n
-            digest = blake3.blake3(view).hexdigest()
-            blob = None if store.catalog.has_chunk(digest) else compressor().compress(view)
-            return index, digest, blob, n
-
-        def upload(digest: str, index: int, blob: bytes | None, raw: int) -> None:
-            try:
-                if blob is None:  # the catalog thought the store had it; it does not
-                    blob = compressor().compress(read(index, bytearray(chunk_size)))
-                store.put_chunk_object(digest, blob)
-                with stats_lock:
-                    result.new_chunks += 1
-                    result.new_raw_bytes += raw
-                    result.new_stored_bytes += len(blob)
-                    uploaded.append((digest, len(blob), raw))
-            except BaseException as exc:  # surfaced after the pool drains
-                errors.append(exc)
-            finally:
-                inflight.release()
-
-        with ThreadPoolExecutor(workers, thread_name_prefix="strata-hash") as hash_pool, ThreadPoolExecutor(
-            upload_concurrency, thread_name_prefix="strata-put"
-        ) as put_pool:
-            for start in range(0, len(indices), window):
-                if errors:
-                    break
-                batch = list(hash_pool.map(read_hash, indices[start : start + window]))
-                fresh: dict[str, tuple[int, bytes | None, int]] = {}
-                for index, digest, blob, n in batch:
-                    result.read_bytes += n
-                    if digest is None:
-                        continue
-                    chunk_digests[index] = digest
-                    if digest not in seen:
-                        seen.add(digest)
-                        fresh[digest] = (index, blob, n)
-                # local only: under this import's lease, a chunk some other store holds is not stored
-                missing = store.local_missing_chunks(fresh) if fresh else set()
-                for digest in missing:
-                    inflight.acquire()
-                    put_pool.submit(upload, digest, *fresh[digest])
-                del fresh, batch
-                if progress:
-                    progress(sum(min(chunk_size, size - i * chunk_size) for i in indices[start : start + window]))
-        if errors:
-            raise errors[0]
-        store.catalog.add_chunks(uploaded)
-        result.data_chunks = len(chunk_digests)
-        result.hole_chunks = -(-size // chunk_size) - len(chunk_digests)
-        result.unique_chunks = len(seen)
-        layer_chunks: dict[int, str | None]
-        if parent is None:
-            layer_chunks = dict(chunk_digests)
-        elif slots is not None:
-            layer_chunks = {i: chunk_digests.get(i) for i in indices}
-            layer_chunks = {i: d for i, d in layer_chunks.items() if d is not None or i in parent_map}
-        else:
-            count = -(-size // chunk_size)
-            layer_chunks = {i: d for i, d in chunk_digests.items() if parent_map.get(i) != d}
-            layer_chunks.update({i: None for i in parent_map if i < count and i not in chunk_digests})
-        layer = Layer(size=size, chunk_size=chunk_size, chunks=layer_chunks, parent=parent, annotations=annotations or {})
-        result.manifest_id = store.put_layer(layer)
-        if target is not None:
-            store.set_ref(target, result.manifest_id)
+        # The lease keeps a concurrent GC from deleting a chunk this import finds
+        # already stored (and so does not upload) before the manifest names it.
+        with Lease(store.backend, f"import {path.name}"):
+            indices = _indices(fd, size, chunk_size, slots)
+            if on_total:
+                on_total(_span_bytes(indices, size, chunk_size))
+            chunker = _Chunker(store, fd, path, size, chunk_size, level=store.level if level is None else level,
+                               result=result, upload_concurrency=upload_concurrency or max(4, workers * 2))
+            digests = chunker.run(indices, workers=workers, window=window or max(32, workers * 8),
+                                  progress=progress)
+            layer = Layer(size=size, chunk_size=chunk_size, parent=parent, annotations=annotations or {},
+                          chunks=_layer_chunks(digests, parent_map, indices if slots is not None else None,
+                                               -(-size // chunk_size)))
+            result.manifest_id = store.put_layer(layer)
+            if target is not None:
+                store.set_ref(target, result.manifest_id)
     finally:
         os.close(fd)
-        lease.__exit__(None, None, None)
     result.seconds = time.monotonic() - started
     return result
 
+
+def _parent_map(store: Store, parent: str | None, chunk_size: int) -> dict[int, str]:
+    """The parent stack's resolved chunk map (empty without a parent)."""
+    if parent is None:
+        return {}
+    parent_top, parent_map = store.chunk_map(parent)
+    if parent_top.chunk_size != chunk_size:
+        raise InvalidInput(f"parent layer uses {parent_top.chunk_size}-byte chunks, this import {chunk_size}")
+    return parent_map
+
+
+def _indices(fd: int, size: int, chunk_size: int, slots: Iterable[int] | None) -> list[int]:
+    """The chunk indices to read: `slots` (in range), else every index that holds data."""
+    if slots is not None:
+        count = -(-size // chunk_size)
+        return sorted({i for i in slots if 0 <= i < count})
+    return list(data_chunks(fd, size, chunk_size))
+
+
+def _span_bytes(indices: list[int], size: int, chunk_size: int) -> int:
+    return sum(min(chunk_size, size - i * chunk_size) for i in indices)
+
+
+def _layer_chunks(digests: dict[int, str], parent_map: dict[int, str], slots: list[int] | None,
+                  count: int) -> dict[int, str | None]:
+    """The new layer's sparse map: everything read (no parent); the slots
+    (with whiteouts only where the parent had data); or what differs from
+    the parent, with whiteouts where the parent had data and the image now
+    has zeros."""
+    if not parent_map and slots is None:
+        return dict(digests)
+    if slots is not None:
+        chosen = {i: digests.get(i) for i in slots}
+        return {i: d for i, d in chosen.items() if d is not None or i in parent_map}
+    layer: dict[int, str | None] = {i: d for i, d in digests.items() if parent_map.get(i) != d}
+    layer.update({i: None for i in parent_map if i < count and i not in digests})
+    return layer
+
+
+class _Chunker:
+    """One import's read -> zero check -> blake3 -> batched existence check
+    -> zstd + put pipeline (see the module docstring), filling `result`."""
+
+    def __init__(self, store: Store, fd: int, path: Path, size: int, chunk_size: int, *, level: int,
+                 result: ImportResult, upload_concurrency: int) -> None:
+        self.store, self.fd, self.path, self.size, self.chunk_size = store, fd, path, size, chunk_size
+        self.level = level
+        self.result = result
+        self.upload_concurrency = upload_concurrency
+        self.zero = bytes(chunk_size)
+        self.local = threading.local()
+        self.errors: list[BaseException] = []
+        self.stats_lock = threading.Lock()
+        self.inflight = threading.BoundedSemaphore(upload_concurrency * 2)
+        self.uploaded: list[tuple[str, int, int]] = []
+
+    def run(self, indices: list[int], *, workers: int, window: int, progress: Progress | None) -> dict[int, str]:
+        """Store every chunk of `indices` the store lacks; returns index -> digest of the non-zero ones."""
+        digests: dict[int, str] = {}
+        seen: set[str] = set()
+        with ThreadPoolExecutor(workers, thread_name_prefix="strata-hash") as hash_pool, ThreadPoolExecutor(
+            self.upload_concurrency, thread_name_prefix="strata-put"
+        ) as put_pool:
+            for start in range(0, len(indices), window):
+                if self.errors:
+                    break
+                part = indices[start : start + window]
+                fresh = self._hash_window(hash_pool.map(self.read_hash, part), digests, seen)
+                # local only: under this import's lease, a chunk some other store holds is not stored
+                for digest in self.store.local_missing_chunks(fresh) if fresh else set():
+                    self.inflight.acquire()
+                    put_pool.submit(self.upload, digest, *fresh[digest])
+                if progress:
+                    progress(_span_bytes(part, self.size, self.chunk_size))
+        if self.errors:
+            raise self.errors[0]
+        self.store.catalog.add_chunks(self.uploaded)
+        r = self.result
+        r.data_chunks, r.unique_chunks = len(digests), len(seen)
+        r.hole_chunks = -(-self.size // self.chunk_size) - len(digests)
+        return digests
+
+    def _hash_window(self, batch: Iterable[tuple[int, str | None, bytes | None, int]], digests: dict[int, str],
+                     seen: set[str]) -> dict[str, tuple[int, bytes | None, int]]:
+        """Record a window's digests; return the digests first seen in it (to check and upload)."""
+        fresh: dict[str, tuple[int, bytes | None, int]] = {}
+        for index, digest, blob, n in batch:
+            self.result.read_bytes += n
+            if digest is None:
+                continue
+            digests[index] = digest
+            if digest not in seen:
+                seen.add(digest)
+                fresh[digest] = (index, blob, n)
+        return fresh
+
+    def compressor(self) -> zstandard.ZstdCompressor:
+        cctx = getattr(self.local, "cctx", None)
+        if cctx is None:
+            cctx = self.local.cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        return cctx
+
+    def read(self, index: int, buf: bytearray) -> memoryview:
+        offset = index * self.chunk_size
+        try:
+            n = os.preadv(self.fd, [buf], offset)
+        except OSError as exc:
+            raise InvalidInput(f"{self.path}: read error at offset {offset} ({exc.strerror})") from None
+        if n != min(self.chunk_size, self.size - offset):
+            raise InvalidInput(f"{self.path}: changed while importing (short read at offset {offset})")
+        return memoryview(buf)[:n]
+
+    def read_hash(self, index: int) -> tuple[int, str | None, bytes | None, int]:
+        # Reads into a per-thread buffer (no 1 MiB allocation per chunk) and
+        # compresses right away unless this node already stored the chunk:
+        # then only the (smaller) compressed object waits for the batch check.
+        buf = getattr(self.local, "buf", None)
+        if buf is None:
+            buf = self.local.buf = bytearray(self.chunk_size)
+        view = self.read(index, buf)
+        n = len(view)
+        if (buf == self.zero) if n == self.chunk_size else (bytes(view) == self.zero[:n]):
+            return index, None, None, n
+        digest = blake3.blake3(view).hexdigest()
+        blob = None if self.store.catalog.has_chunk(digest) else self.compressor().compress(view)
+        return index, digest, blob, n
+
+    def upload(self, digest: str, index: int, blob: bytes | None, raw: int) -> None:
+        try:
+            if blob is None:  # the catalog thought the store had it; it does not
+                blob = self.compressor().compress(self.read(index, bytearray(self.chunk_size)))
+            self.store.put_chunk_object(digest, blob)
+            with self.stats_lock:
+                self.result.new_chunks += 1
+                self.result.new_raw_bytes += raw
+                self.result.new_stored_bytes += len(blob)
+                self.uploaded.append((digest, len(blob), raw))
+        except BaseException as exc:  # surfaced after the pool drains
+            self.errors.append(exc)
+        finally:
+            self.inflight.release()
