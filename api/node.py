@@ -338,10 +338,9 @@ class Node:
     def gc_roots(self) -> list:
         """What GC of this node's store must keep beyond refs, templates and
         snapshots: the layers running sandbox disks sit on."""
-        from fusefs.client import sandbox_layers
         from layerstore.reach import Name
 
-        return [Name("layer", m) for m in sandbox_layers(self.boxes.mount, env=self.boxes.control_env)]
+        return [Name("layer", m) for m in self.boxes.client.disk_layers()]
 
     def snapshots_in_use(self) -> dict[str, list[str]]:
         """Snapshot id -> what still needs it (templates, paused sandboxes)."""

@@ -40,8 +40,8 @@ def build_node(config: NodeConfig, env: dict[str, str], out: Output | None = Non
         return counts
 
     def cache() -> dict[str, int]:
-        reply = boxes.control({"op": "stats"})
-        return {**reply["cache"], "memory_hits": reply["memory_hits"]}
+        reply = boxes.client.stats()
+        return {**reply.cache, "memory_hits": reply.memory_hits}
 
     metrics.watch(states, cache)
     return node

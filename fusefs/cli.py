@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerstore.cli import Output, human_bytes, parse_size
 from layerstore.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from .client import MountClient
 
 DEFAULT_CACHE_SIZE = "10G"
 
@@ -16,6 +20,19 @@ def _default_cache_dir(env: dict[str, str]) -> str:
     from layerstore.store import state_dir
 
     return str(state_dir(env) / "cache")
+
+
+def _run_dir(env: dict[str, str]) -> Path:
+    from .control import run_dir_from_env
+
+    return run_dir_from_env(env)
+
+
+def _client(args: argparse.Namespace, env: dict[str, str]) -> MountClient:
+    """The client of the daemon serving `--mount`."""
+    from .client import MountClient
+
+    return MountClient(args.mount, run_dir=_run_dir(env))
 
 
 def cmd_mount(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
@@ -29,14 +46,14 @@ def cmd_mount(args: argparse.Namespace, env: dict[str, str], out: Output) -> int
         from .daemon import serve
 
         ns = argparse.Namespace(mountpoint=args.mountpoint, store=store, cache_dir=cache_dir,
-                                cache_size=args.cache_size, upper_dir=args.upper_dir)
+                                cache_size=args.cache_size, upper_dir=args.upper_dir, run_dir=_run_dir(env))
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         serve(ns, lambda: print(f"serving {args.mountpoint}; Ctrl-C or `strata umount` to stop", flush=True))
         return 0
     info = mount(args.mountpoint, store=store, cache_dir=cache_dir, cache_size=args.cache_size,
-                 upper_dir=args.upper_dir)
+                 upper_dir=args.upper_dir, run_dir=_run_dir(env))
     out.result(info, f"mounted {info['store']} at {info['mountpoint']} (daemon pid {info['pid']}, log {info['log']}, "
                      f"cache {cache_dir} capped at {human_bytes(args.cache_size)})")
     return 0
@@ -45,18 +62,15 @@ def cmd_mount(args: argparse.Namespace, env: dict[str, str], out: Output) -> int
 def cmd_umount(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
     from .client import umount
 
-    info = umount(args.mountpoint)
+    info = umount(args.mountpoint, run_dir=_run_dir(env))
     out.result(info, f"unmounted {info['mountpoint']}")
     return 0
 
 
 def cmd_cache_stats(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    from .client import call
-
     if args.mount:
-        reply = call(args.mount, {"op": "stats"})
-        stats: dict[str, Any] = {**reply["cache"], "memory_hits": reply["memory_hits"],
-                                 "backend_fetches": reply["fetches"]}
+        reply = _client(args, env).stats()
+        stats: dict[str, Any] = {**reply.cache, "memory_hits": reply.memory_hits, "backend_fetches": reply.fetches}
     else:
         from .cache import ChunkCache
 
@@ -82,30 +96,20 @@ def cmd_cache_stats(args: argparse.Namespace, env: dict[str, str], out: Output) 
 
 
 def cmd_cache_drop(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    from .client import call
-
-    reply = call(args.mount, {"op": "cache_drop"})
-    out.result(reply, f"dropped {human_bytes(reply['freed'])} of unpinned chunks")
+    reply = _client(args, env).cache_drop()
+    out.result(asdict(reply), f"dropped {human_bytes(reply.freed)} of unpinned chunks")
     return 0
 
 
 def cmd_layer_new(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    from .client import call
-
-    request = {"op": "sandbox_create", "sid": args.sid}
-    if args.manifest:
-        request["manifest"] = args.manifest
-    else:
-        request["image"] = args.image
-    reply = call(args.mount, request)
-    out.result(reply, f"sandbox disk {reply['path']} ({human_bytes(reply['size'])}) over {reply['base'][:16]}")
+    reply = _client(args, env).create_disk(args.sid, image=None if args.manifest else args.image,
+                                           manifest=args.manifest or None)
+    out.result(asdict(reply), f"sandbox disk {reply.path} ({human_bytes(reply.size)}) over {reply.base[:16]}")
     return 0
 
 
 def cmd_layer_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    from .client import call
-
-    rows = call(args.mount, {"op": "sandbox_list"})["sandboxes"]
+    rows = [asdict(d) for d in _client(args, env).list_disks()]
 
     def text() -> str:
         if not rows:
@@ -118,28 +122,22 @@ def cmd_layer_ls(args: argparse.Namespace, env: dict[str, str], out: Output) -> 
 
 
 def cmd_layer_rm(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    from .client import call
-
-    reply = call(args.mount, {"op": "sandbox_remove", "sid": args.sid})
-    out.result(reply, f"removed sandbox disk {args.sid}")
+    reply = _client(args, env).remove_disk(args.sid)
+    out.result(asdict(reply), f"removed sandbox disk {args.sid}")
     return 0
 
 
 def cmd_layer_seal(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    from .client import call
-
-    reply = call(args.mount, {"op": "seal", "sid": args.sid, "wait": args.wait})
-    text = f"sealed {reply['dirty_chunks']} dirty chunks of {args.sid} in {reply['switch_ms']:.1f} ms"
-    text += f"; layer {reply['manifest']}" if "manifest" in reply else "; publishing in the background"
-    out.result(reply, text)
+    reply = _client(args, env).seal(args.sid, wait=args.wait)
+    text = f"sealed {reply.dirty_chunks} dirty chunks of {args.sid} in {reply.switch_ms:.1f} ms"
+    text += f"; layer {reply.manifest}" if reply.manifest else "; publishing in the background"
+    out.result(asdict(reply), text)
     return 0
 
 
 def cmd_record_prefetch(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
-    from .client import call
-
-    reply = call(args.mount, {"op": "record_prefetch", "image": args.ref})
-    out.result(reply, f"recorded {reply['chunks']} chunks as the prefetch list of {reply['image']}")
+    reply = _client(args, env).record_prefetch(args.ref)
+    out.result(asdict(reply), f"recorded {reply.chunks} chunks as the prefetch list of {reply.image}")
     return 0
 
 

@@ -241,16 +241,17 @@ def cmd_pull(args: argparse.Namespace, env: dict[str, str], out: Output) -> int:
 def _mount_roots(store: Store, env: dict[str, str]) -> list:
     """Layers running sandboxes sit on (sealed but not yet in any snapshot),
     asked of the node's mount if it serves this store: GC must keep them."""
-    from fusefs.client import DaemonError, call, sandbox_layers
+    from fusefs.client import DaemonError, MountClient
+    from fusefs.control import run_dir_from_env
 
     from .reach import Name
     from .store import state_dir
 
-    mount = env.get("STRATA_MOUNT") or str(state_dir(env) / "mnt")
+    mount = MountClient(env.get("STRATA_MOUNT") or str(state_dir(env) / "mnt"), run_dir=run_dir_from_env(env))
     try:
-        if call(mount, {"op": "ping"}, timeout=5, env=env)["store"] != store.describe():
+        if mount.ping(timeout=5).store != store.describe():
             return []
-        return [Name("layer", m) for m in sandbox_layers(mount, env=env)]
+        return [Name("layer", m) for m in mount.disk_layers()]
     except DaemonError:
         return []
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerstore.cli import Output, human_bytes, parse_size
 from layerstore.config import NodeConfig
@@ -23,6 +23,9 @@ from layerstore.errors import InvalidInput, StrataError
 
 from .backend import BACKENDS
 from .sandbox import MAX_FORKS, Sandbox, Sandboxes
+
+if TYPE_CHECKING:
+    from fusefs.client import MountClient
 
 GUEST_BUILD = Path(__file__).resolve().parent / "guest" / "build.sh"
 DEMO_IMAGE = "strata-guest:demo"
@@ -34,19 +37,21 @@ def _state(env: dict[str, str]) -> Path:
     return state_dir(env)
 
 
-def ensure_mount(mnt: Path, store_spec: str, wanted: str, env: dict[str, str], out: Output, *,
+def ensure_mount(client: MountClient, store_spec: str, wanted: str, env: dict[str, str], out: Output, *,
                  cache_size: int = parse_size("10G")) -> None:
-    """Use the daemon serving `mnt`, or start one on `store_spec`; refuse a
+    """Use the daemon `client` talks to, or start one on `store_spec`; refuse a
     mount that serves another store than `wanted` (sandboxes would mix two)."""
-    from fusefs.client import DaemonError, call, mount
+    from fusefs.client import DaemonError, mount
 
+    mnt = client.mountpoint
     try:
-        served = call(mnt, {"op": "ping"}, timeout=10, env=env)["store"]
+        served = client.ping().store
     except DaemonError:
         mnt.mkdir(parents=True, exist_ok=True)
         with out.status(f"mounting {wanted} at {mnt}"):
             mount(mnt, store=store_spec, cache_dir=env.get("STRATA_CACHE_DIR") or _state(env) / "cache",
-                  cache_size=cache_size, env=env)  # the daemon sees the node's whole config (remote, peers)
+                  cache_size=cache_size, run_dir=client.run_dir,
+                  env=env)  # the daemon sees the node's whole config (remote, peers)
         return
     if served != wanted:
         raise InvalidInput(f"{mnt} serves {served}, not {wanted}: pass --mount for another mount point")
@@ -61,15 +66,18 @@ def node_config(args: argparse.Namespace, env: dict[str, str]) -> NodeConfig:
 def open_sandboxes(config: NodeConfig, env: dict[str, str], out: Output) -> Sandboxes:
     """The node's sandboxes: its store, its mount (started if needed), its VMM
     backend. `strata sandbox` and `strata serve` assemble a node this one way."""
+    from fusefs.client import MountClient
+    from fusefs.control import run_dir_from_env
     from layerstore.store import open_store
 
     from .backend import open_backend
 
     env = {**env, **config.env()}
     store = open_store(config.store, env=env)
-    ensure_mount(config.mount, config.store, store.describe(), env, out, cache_size=config.cache_size)
-    return Sandboxes(store, config.mount, open_backend(config.vmm), guest_dir=config.guest_dir,
-                     work_root=config.state_dir / "sandboxes", memory_mib=config.sandbox_memory, control_env=env)
+    client = MountClient(config.mount, run_dir=run_dir_from_env(env))
+    ensure_mount(client, config.store, store.describe(), env, out, cache_size=config.cache_size)
+    return Sandboxes(store, client, open_backend(config.vmm), guest_dir=config.guest_dir,
+                     work_root=config.state_dir / "sandboxes", memory_mib=config.sandbox_memory)
 
 
 def open_node(args: argparse.Namespace, env: dict[str, str], out: Output) -> Sandboxes:
