@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fusefs.client import DaemonError, MountClient, mount
+from fusefs.control import MountSettings
 from layerstore.chunk import DEFAULT_LEVEL
 from layerstore.cli import Output
 from layerstore.config import NodeConfig
@@ -73,7 +74,7 @@ class NodeContext:
             client = ensure_mount(self.config, store.describe(), self.out)
             c = self.config
             backend = open_backend(c.vmm, accel=c.accel, state_dir=c.state_dir)
-            self._sandboxes = Sandboxes(store, c.mount, backend, client, guest_dir=c.guest_dir,
+            self._sandboxes = Sandboxes(store, client, backend, guest_dir=c.guest_dir,
                                         work_root=c.state_dir / "sandboxes", memory_mib=c.sandbox_memory)
         return self._sandboxes
 
@@ -102,7 +103,7 @@ def ensure_mount(config: NodeConfig, wanted: str, out: Output) -> MountClient:
     except DaemonError:
         config.mount.mkdir(parents=True, exist_ok=True)
         with out.status(f"mounting {wanted} at {config.mount}"):
-            mount(config.mount, config=config)
+            mount(MountSettings.from_config(config))
         return client
     if served != wanted:
         raise InvalidInput(f"{config.mount} serves {served}, not {wanted}: pass --mount for another mount point")

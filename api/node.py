@@ -27,9 +27,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.refs import parse_ref
@@ -353,10 +354,9 @@ class Node:
     def gc_roots(self) -> list:
         """What GC of this node's store must keep beyond refs, templates and
         snapshots: the layers running sandbox disks sit on."""
-        from fusefs.client import sandbox_layers
         from layerstore.reach import Name
 
-        return [Name("layer", m) for m in sandbox_layers(self.boxes.mount, env=self.boxes.control_env)]
+        return [Name("layer", m) for m in self.boxes.client.disk_layers()]
 
     # what E2B's API shows of sandboxes ------------------------------------------------------
     def _disk_mb(self, record: SandboxRecord) -> int:
@@ -388,28 +388,27 @@ class Node:
         """Every sandbox record, warm pool included, as the VMM layer keeps it (for operators)."""
         return self.boxes.list()
 
-    # the mount daemon: health and chunk cache ---------------------------------------------------
-    # One line each, the daemon's own operations, so a typed client can replace them as they are.
+    # the mount daemon: health and chunk cache (fusefs.client.MountClient) ------------------------
     def mount_ping(self) -> None:
-        self.boxes.control({"op": "ping"})
+        self.boxes.client.ping()
 
-    def cache_stats(self) -> dict:
-        return self.boxes.control({"op": "stats"})
+    def cache_stats(self) -> MountStats:
+        return self.boxes.client.stats()
 
     def cache_drop(self) -> dict:
-        return self.boxes.control({"op": "cache_drop"})
+        return asdict(self.boxes.client.cache_drop())
 
     def pin(self, image: str) -> dict:
-        return self.boxes.control({"op": "pin", "image": image})
+        return asdict(self.boxes.client.pin(image))
 
     def unpin(self, image: str) -> dict:
-        return self.boxes.control({"op": "unpin", "image": image})
+        return asdict(self.boxes.client.unpin(image))
 
     def cache_summary(self) -> m.CacheStats:
         """The chunk cache's counters, where fetched chunks came from, and memory hits."""
         reply = self.cache_stats()
-        return m.CacheStats.model_validate({**reply["cache"], "memory_hits": reply["memory_hits"],
-                                            "backend_fetches": reply["fetches"], "sources": reply.get("sources", {})})
+        return m.CacheStats.model_validate({**reply.cache, "memory_hits": reply.memory_hits,
+                                            "backend_fetches": reply.fetches, "sources": reply.sources})
 
     def health(self) -> m.Health:
         """Degraded when the mount daemon does not answer: sandboxes cannot start or resume."""

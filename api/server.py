@@ -35,7 +35,7 @@ def watch_metrics(node: Node) -> None:
 
     def cache() -> dict[str, int]:
         reply = node.cache_stats()
-        return {**reply["cache"], "memory_hits": reply["memory_hits"]}
+        return {**reply.cache, "memory_hits": reply.memory_hits}
 
     node.metrics.watch(states, cache)
 

@@ -61,8 +61,8 @@ def main() -> int:
     m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
     m.start()
     store = open_store(str(work / "store"))
-    boxes = Sandboxes(store, m.mnt, QemuBackend(accel=detect()), guest_dir=guest, work_root=work / "vms",
-                      memory_mib=args.memory, control_env=m.env)
+    boxes = Sandboxes(store, m.client, QemuBackend(accel=detect()), guest_dir=guest, work_root=work / "vms",
+                      memory_mib=args.memory)
     try:
         sb = boxes.boot("guest:v1", sid="src")
         out["boot_s"] = sb.timings["boot"]

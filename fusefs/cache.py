@@ -8,7 +8,7 @@ Layout of a cache directory (`strata mount --cache-dir D`):
     D/index/                 LMDB: sub-database "entries"
                                digest (32 raw bytes) -> <Qd: bytes, last access (unix s)
 
-Rules, each tested in tests/fusefs/test_cache.py:
+Rules, each tested in tests/test_fusefs_cache.py:
 - The byte total never exceeds `capacity`. Space is reserved (evicting first)
   before a file is written; an insert that cannot get space is skipped (the
   caller still has the verified bytes and serves them), never an overrun.

@@ -8,11 +8,24 @@ positional MOUNTPOINT of `mount`/`umount`), else the configured `mount`
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from layerstore.cli import StoreContext, human_bytes, parse_size
 from layerstore.errors import InvalidInput
+
+from .protocol import DaemonError
+
+if TYPE_CHECKING:
+    from .client import MountClient
+
+
+class MountContext(StoreContext, Protocol):
+    """What the FUSE commands use of the entry point's context."""
+
+    def mount_client(self, mountpoint: Path | None = None) -> MountClient:
+        """The client of the daemon serving `mountpoint` (default: the node's mount)."""
 
 
 def mount_option() -> argparse.ArgumentParser:
@@ -23,58 +36,41 @@ def mount_option() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_mount(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import mount
+def cmd_mount(args: argparse.Namespace, ctx: MountContext) -> int:
+    from .control import MountSettings
 
-    store = getattr(args, "store", None) or env.get("STRATA_STORE", "")
-    if not store:
-        raise InvalidInput("no store given: pass --store PATH|s3://BUCKET/PREFIX or set STRATA_STORE")
-    cache_dir = args.cache_dir or env.get("STRATA_CACHE_DIR") or _default_cache_dir(env)
+    settings = MountSettings.from_config(ctx.config, upper_dir=Path(args.upper_dir) if args.upper_dir else None)
+    settings.mountpoint.mkdir(parents=True, exist_ok=True)
     if args.foreground:
-        from .daemon import serve
-
-        ns = argparse.Namespace(mountpoint=args.mountpoint, store=store, cache_dir=cache_dir,
-                                cache_size=args.cache_size, upper_dir=args.upper_dir)
         import logging
 
+        from .daemon import serve
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        serve(ns, lambda: print(f"serving {args.mountpoint}; Ctrl-C or `strata umount` to stop", flush=True))
+        serve(settings, lambda: print(f"serving {settings.mountpoint}; Ctrl-C or `strata umount` to stop", flush=True))
         return 0
-    info = mount(args.mountpoint, store=store, cache_dir=cache_dir, cache_size=args.cache_size,
-                 upper_dir=args.upper_dir)
-    out.result(info, f"mounted {info['store']} at {info['mountpoint']} (daemon pid {info['pid']}, log {info['log']}, "
-                     f"cache {cache_dir} capped at {human_bytes(args.cache_size)})")
+    from .client import mount
+
+    info = mount(settings)
+    ctx.out.result(info, f"mounted {info['store']} at {info['mountpoint']} (daemon pid {info['pid']}, log "
+                         f"{info['log']}, cache {settings.cache_dir} capped at {human_bytes(settings.cache_size)})")
     return 0
 
 
-def cmd_umount(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
+def cmd_umount(args: argparse.Namespace, ctx: MountContext) -> int:
     from .client import umount
 
-    info = umount(args.mountpoint)
-    out.result(info, f"unmounted {info['mountpoint']}")
+    info = umount(ctx.config.mount, run_dir=ctx.config.run_dir)
+    ctx.out.result(info, f"unmounted {info['mountpoint']}")
     return 0
 
 
-def cmd_cache_stats(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import call
-
-    if args.mount:
-        reply = call(args.mount, {"op": "stats"})
-        stats: dict[str, Any] = {**reply["cache"], "memory_hits": reply["memory_hits"],
-                                 "backend_fetches": reply["fetches"]}
-    else:
-        from .cache import ChunkCache
-
-        cache_dir = Path(args.cache_dir or env.get("STRATA_CACHE_DIR") or _default_cache_dir(env))
-        if not (cache_dir / "index").exists():
-            raise InvalidInput(f"no chunk cache at {cache_dir}")
-        cache = ChunkCache(cache_dir, capacity=1 << 62)
-        stats = cache.snapshot_stats()
-        cache.close()
-        stats.pop("capacity")
+def cmd_cache_stats(args: argparse.Namespace, ctx: MountContext) -> int:
+    """Live counters from the node's mount when one serves (unless --cache-dir
+    names a cache to read directly), else the configured cache directory."""
+    stats = None if args.cache_dir else _live_stats(ctx, required=args.mount is not None)
+    if stats is None:
+        stats = _cache_dir_stats(Path(args.cache_dir or ctx.config.cache_dir))
 
     def text() -> str:
         lines = [f"{k:<16} {human_bytes(v) if k in ('size', 'capacity', 'bytes_fetched', 'bytes_evicted') else v}"
@@ -85,75 +81,78 @@ def cmd_cache_stats(args: argparse.Namespace, ctx: StoreContext) -> int:
             lines.append(f"{'hit ratio':<16} {hits / total:.1%}")
         return "\n".join(lines)
 
-    out.result(stats, text)
+    ctx.out.result(stats, text)
     return 0
 
 
-def cmd_cache_drop(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import call
+def _live_stats(ctx: MountContext, *, required: bool) -> dict[str, Any] | None:
+    """The daemon's counters; None when no daemon answers and none was asked for by name."""
+    try:
+        reply = ctx.mount_client().stats()
+    except DaemonError:
+        if required:
+            raise
+        return None
+    return {**reply.cache, "memory_hits": reply.memory_hits, "backend_fetches": reply.fetches}
 
-    reply = call(args.mount, {"op": "cache_drop"})
-    out.result(reply, f"dropped {human_bytes(reply['freed'])} of unpinned chunks")
+
+def _cache_dir_stats(cache_dir: Path) -> dict[str, Any]:
+    from .cache import ChunkCache
+
+    if not (cache_dir / "index").exists():
+        raise InvalidInput(f"no chunk cache at {cache_dir} and no mount serving: pass --mount or --cache-dir")
+    cache = ChunkCache(cache_dir, capacity=1 << 62)
+    try:
+        stats = cache.snapshot_stats()
+    finally:
+        cache.close()
+    stats.pop("capacity")
+    return stats
+
+
+def cmd_cache_drop(args: argparse.Namespace, ctx: MountContext) -> int:
+    reply = ctx.mount_client().cache_drop()
+    ctx.out.result(asdict(reply), f"dropped {human_bytes(reply.freed)} of unpinned chunks")
     return 0
 
 
-def cmd_disk_new(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import call
-
-    request = {"op": "sandbox_create", "sid": args.sid}
-    if args.manifest:
-        request["manifest"] = args.manifest
-    else:
-        request["image"] = args.image
-    reply = call(args.mount, request)
-    out.result(reply, f"sandbox disk {reply['path']} ({human_bytes(reply['size'])}) over {reply['base'][:16]}")
+def cmd_disk_new(args: argparse.Namespace, ctx: MountContext) -> int:
+    reply = ctx.mount_client().create_disk(args.sid, image=None if args.manifest else args.image,
+                                           manifest=args.manifest or None)
+    ctx.out.result(asdict(reply), f"sandbox disk {reply.path} ({human_bytes(reply.size)}) over {reply.base[:16]}")
     return 0
 
 
-def cmd_disk_ls(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import call
-
-    rows = call(args.mount, {"op": "sandbox_list"})["sandboxes"]
+def cmd_disk_ls(args: argparse.Namespace, ctx: MountContext) -> int:
+    rows = [asdict(d) for d in ctx.mount_client().list_disks()]
 
     def text() -> str:
         if not rows:
             return "no sandbox disks"
-        return "\n".join(f"{r['sid']:<24} {human_bytes(r['size']):>10}  dirty {r['dirty_chunks']:>6}  base {r['base'][:16]}"
-                         f"  layers {len(r['layers'])}" for r in rows)
+        return "\n".join(f"{r['sid']:<24} {human_bytes(r['size']):>10}  dirty {r['dirty_chunks']:>6}  "
+                         f"base {r['base'][:16]}  layers {len(r['layers'])}" for r in rows)
 
-    out.result(rows, text)
+    ctx.out.result(rows, text)
     return 0
 
 
-def cmd_disk_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import call
-
-    reply = call(args.mount, {"op": "sandbox_remove", "sid": args.sid})
-    out.result(reply, f"removed sandbox disk {args.sid}")
+def cmd_disk_rm(args: argparse.Namespace, ctx: MountContext) -> int:
+    reply = ctx.mount_client().remove_disk(args.sid)
+    ctx.out.result(asdict(reply), f"removed sandbox disk {args.sid}")
     return 0
 
 
-def cmd_disk_seal(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import call
-
-    reply = call(args.mount, {"op": "seal", "sid": args.sid, "wait": args.wait})
-    text = f"sealed {reply['dirty_chunks']} dirty chunks of {args.sid} in {reply['switch_ms']:.1f} ms"
-    text += f"; layer {reply['manifest']}" if "manifest" in reply else "; publishing in the background"
-    out.result(reply, text)
+def cmd_disk_seal(args: argparse.Namespace, ctx: MountContext) -> int:
+    reply = ctx.mount_client().seal(args.sid, wait=args.wait)
+    text = f"sealed {reply.dirty_chunks} dirty chunks of {args.sid} in {reply.switch_ms:.1f} ms"
+    text += f"; layer {reply.manifest}" if reply.manifest else "; publishing in the background"
+    ctx.out.result(asdict(reply), text)
     return 0
 
 
-def cmd_record_prefetch(args: argparse.Namespace, ctx: StoreContext) -> int:
-    out = ctx.out
-    from .client import call
-
-    reply = call(args.mount, {"op": "record_prefetch", "image": args.ref})
-    out.result(reply, f"recorded {reply['chunks']} chunks as the prefetch list of {reply['image']}")
+def cmd_record_prefetch(args: argparse.Namespace, ctx: MountContext) -> int:
+    reply = ctx.mount_client().record_prefetch(args.ref)
+    ctx.out.result(asdict(reply), f"recorded {reply.chunks} chunks as the prefetch list of {reply.image}")
     return 0
 
 

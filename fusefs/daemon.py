@@ -1,22 +1,20 @@
 """The mount daemon: wires store, cache, fetcher, sandboxes and FUSE together,
-and answers a small control socket for the CLI (and later the VMM and API).
+and answers a control socket for the CLI, the VMM and the API.
 
 `strata mount MOUNTPOINT` starts `python -m fusefs.daemon` in its own session,
+hands it its MountSettings (control.py: the node's configuration) on stdin,
 waits until the mount is serving (or prints the daemon's error), and returns.
 `strata umount`, SIGTERM or SIGINT unmount cleanly: the FUSE loop stops,
 sandboxes are fsynced, the cache index is flushed, the socket is removed.
 
-Control protocol: one JSON object per line over a unix socket at
-`control_socket(mountpoint)`; every reply is `{"ok": true, ...}` or
-`{"ok": false, "error": "<one line>", "kind": "<error class>"}`. Operations: ping, stats,
-sandbox_create {sid, image | manifest}, sandbox_list, sandbox_remove {sid},
-seal {sid, wait}, record_prefetch {image}, cache_drop, pin {image}, unpin {image}, shutdown.
+The control socket is `control_socket(mountpoint, settings.run_dir)`;
+its operations, messages and wire format are defined in protocol.py, and
+`Daemon.handlers` maps each request class to the method answering it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -28,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pyfuse3
 import trio
@@ -36,12 +34,15 @@ import trio
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import Ref, parse_ref
-from layerstore.store import Store, open_store, settings_from_env, state_dir
+from layerstore.store import Store, open_store
 
 from .cache import ChunkCache
-from .control import check_mountpoint, control_socket
+from .control import MountSettings, check_mountpoint, control_socket
 from .fetch import ChunkFetcher
 from .fs import StrataFS
+from .protocol import (MAX_LINE, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved, Handlers,
+                       ListDisks, MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, RecordPrefetch, RemoveDisk,
+                       Seal, Sealed, SealState, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, answer, encode_error)
 from .upper import SealTicket, UpperLayer, check_sid
 from .view import LayerView
 
@@ -106,11 +107,11 @@ class Catalogue:
             if digest is not None:
                 self.schedule_prefetch(digest)
 
-    def record_prefetch(self, ref: Ref) -> dict[str, Any]:
+    def record_prefetch(self, ref: Ref) -> PrefetchRecorded:
         view = self.view_for_ref(ref)
         indices = list(view.touched)
         self.store.put_prefetch(view.manifest_id, indices)
-        return {"image": str(ref), "manifest": view.manifest_id, "chunks": len(indices)}
+        return PrefetchRecorded(image=str(ref), manifest=view.manifest_id, chunks=len(indices))
 
     # sandboxes --------------------------------------------------------------
     def load_sandboxes(self) -> None:
@@ -171,29 +172,29 @@ class Catalogue:
         )
         return result.manifest_id
 
-    def seal(self, sid: str, *, wait: bool = False, timeout: float = 600) -> dict[str, Any]:
+    def seal(self, sid: str, *, wait: bool = False, timeout: float = 600) -> Sealed:
         upper = self.sandboxes.get(check_sid(sid))
         if upper is None:
             raise NotFound(f"sandbox {sid} not found")
         ticket = upper.seal(self._publish, self._sealer.submit)
         self.seals[sid] = ticket
-        reply: dict[str, Any] = {"sid": sid, "dirty_chunks": ticket.dirty_chunks, "switch_ms": round(ticket.switched_in * 1000, 3)}
-        if wait:
-            reply["manifest"] = ticket.result(timeout)
-        return reply
+        return Sealed(sid=sid, dirty_chunks=ticket.dirty_chunks, switch_ms=round(ticket.switched_in * 1000, 3),
+                      manifest=ticket.result(timeout) if wait else None)
 
-    def sandbox_info(self, upper: UpperLayer) -> dict[str, Any]:
-        ticket = self.seals.get(upper.sid)
-        seal = None
-        if ticket is not None:
-            if not ticket.future.done():
-                seal = {"state": "publishing"}
-            elif ticket.future.exception() is not None:
-                seal = {"state": "failed", "error": str(ticket.future.exception())}
-            else:
-                seal = {"state": "done", "manifest": ticket.future.result()}
-        return {"sid": upper.sid, "base": upper.base, "size": upper.size, "dirty_chunks": upper.dirty_count(),
-                "layers": list(upper.layers), "last_seal": seal}
+    def sandbox_info(self, upper: UpperLayer, path: Path) -> DiskInfo:
+        """The control protocol's view of a sandbox disk, served at `path`."""
+        return DiskInfo(sid=upper.sid, base=upper.base, size=upper.size, dirty_chunks=upper.dirty_count(),
+                        layers=list(upper.layers), last_seal=self._seal_state(upper.sid), path=str(path))
+
+    def _seal_state(self, sid: str) -> SealState | None:
+        ticket = self.seals.get(sid)
+        if ticket is None:
+            return None
+        if not ticket.future.done():
+            return SealState("publishing")
+        if ticket.future.exception() is not None:
+            return SealState("failed", error=str(ticket.future.exception()))
+        return SealState("done", manifest=ticket.future.result())
 
     def close(self) -> None:
         self._sealer.shutdown(wait=True)
@@ -207,14 +208,16 @@ class Catalogue:
 
 
 class _ControlHandler(socketserver.StreamRequestHandler):
+    """One connection: request lines in, reply lines out, until the client closes."""
+
     def handle(self) -> None:
         daemon: Daemon = self.server.daemon  # type: ignore[attr-defined]
-        for line in self.rfile:
-            if len(line) > 1 << 16:
-                reply = {"ok": False, "error": "request too large"}
-            else:
-                reply = daemon.handle(line)
-            self.wfile.write(json.dumps(reply).encode() + b"\n")
+        while line := self.rfile.readline(MAX_LINE + 1):
+            if len(line) > MAX_LINE and not line.endswith(b"\n"):
+                # the rest of the line is unread: answer, then drop the connection
+                self.wfile.write(encode_error(InvalidInput(f"request too large (more than {MAX_LINE} bytes)")))
+                return
+            self.wfile.write(daemon.handle(line))
             self.wfile.flush()
 
 
@@ -236,72 +239,68 @@ class Daemon:
         self.started = time.time()
         self.read_ahead_kib = 1024
 
-    def handle(self, line: bytes) -> dict[str, Any]:
-        try:
-            request = json.loads(line)
-            if not isinstance(request, dict) or not isinstance(request.get("op"), str):
-                raise InvalidInput("request must be a JSON object with an 'op'")
-            op = request["op"]
-            handler: Callable[[dict[str, Any]], dict[str, Any]] | None = getattr(self, f"op_{op}", None)
-            if handler is None:
-                raise InvalidInput(f"unknown operation {op!r}")
-            return {"ok": True, **handler(request)}
-        except (ValueError, TypeError) as exc:
-            return {"ok": False, "error": f"malformed request: {exc}"}
-        except StrataError as exc:
-            return {"ok": False, "error": str(exc), "kind": type(exc).__name__}
-        except Exception as exc:  # keep the daemon alive; report the bug
-            log.exception("control request failed")
-            return {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
+    @property
+    def handlers(self) -> Handlers:
+        """Which method answers which request (protocol.py defines the messages)."""
+        return {Ping: self.ping, Stats: self.stats, CreateDisk: self.create_disk, ListDisks: self.list_disks,
+                RemoveDisk: self.remove_disk, Seal: self.seal, RecordPrefetch: self.record_prefetch,
+                CacheDrop: self.cache_drop, Pin: self.pin, Unpin: self.unpin, Shutdown: self.shutdown}
 
-    def op_ping(self, _r: dict[str, Any]) -> dict[str, Any]:
-        return {"pid": os.getpid(), "mountpoint": str(self.mountpoint), "store": self.cat.store.describe(),
-                "uptime": round(time.time() - self.started, 3)}
+    def handle(self, line: bytes) -> bytes:
+        """The reply line to one request line (never raises)."""
+        return answer(line, self.handlers)
 
-    def op_stats(self, _r: dict[str, Any]) -> dict[str, Any]:
-        return {"cache": self.cat.cache.snapshot_stats(), "fetches": self.cat.fetcher.fetches,
-                "memory_hits": self.cat.fetcher.memory_hits, "sources": dict(self.cat.store.sources),
-                "sandboxes": len(self.cat.sandboxes), "open_files": self.fs.open_handles()}
+    def ping(self, _r: Ping) -> Pong:
+        return Pong(pid=os.getpid(), mountpoint=str(self.mountpoint), store=self.cat.store.describe(),
+                    uptime=round(time.time() - self.started, 3))
 
-    def op_sandbox_create(self, r: dict[str, Any]) -> dict[str, Any]:
-        upper = self.cat.create_sandbox(str(r.get("sid")), image=r.get("image"), manifest=r.get("manifest"))
-        return {**self.cat.sandbox_info(upper), "path": str(self.mountpoint / "sandboxes" / upper.sid / "disk.img")}
+    def stats(self, _r: Stats) -> MountStats:
+        return MountStats(cache=self.cat.cache.snapshot_stats(), fetches=self.cat.fetcher.fetches,
+                          memory_hits=self.cat.fetcher.memory_hits, sources=dict(self.cat.store.sources),
+                          disks=len(self.cat.sandboxes), open_files=self.fs.open_handles())
 
-    def op_sandbox_list(self, _r: dict[str, Any]) -> dict[str, Any]:
-        return {"sandboxes": [self.cat.sandbox_info(u) for u in self.cat.sandboxes.values()]}
+    def _disk_path(self, sid: str) -> Path:
+        return self.mountpoint / "sandboxes" / sid / "disk.img"
 
-    def op_sandbox_remove(self, r: dict[str, Any]) -> dict[str, Any]:
-        self.cat.remove_sandbox(str(r.get("sid")))
-        return {"sid": r.get("sid"), "removed": True}
+    def create_disk(self, r: CreateDisk) -> DiskInfo:
+        upper = self.cat.create_sandbox(r.sid, image=r.image, manifest=r.manifest)
+        return self.cat.sandbox_info(upper, self._disk_path(upper.sid))
 
-    def op_seal(self, r: dict[str, Any]) -> dict[str, Any]:
-        return self.cat.seal(str(r.get("sid")), wait=bool(r.get("wait")))
+    def list_disks(self, _r: ListDisks) -> DiskList:
+        return DiskList([self.cat.sandbox_info(u, self._disk_path(u.sid)) for u in list(self.cat.sandboxes.values())])
 
-    def op_record_prefetch(self, r: dict[str, Any]) -> dict[str, Any]:
-        return self.cat.record_prefetch(parse_ref(str(r.get("image"))))
+    def remove_disk(self, r: RemoveDisk) -> DiskRemoved:
+        self.cat.remove_sandbox(r.sid)
+        return DiskRemoved(r.sid)
 
-    def op_cache_drop(self, _r: dict[str, Any]) -> dict[str, Any]:
-        return {"freed": self.cat.cache.drop()}
+    def seal(self, r: Seal) -> Sealed:
+        return self.cat.seal(r.sid, wait=r.wait)
 
-    def op_pin(self, r: dict[str, Any]) -> dict[str, Any]:
+    def record_prefetch(self, r: RecordPrefetch) -> PrefetchRecorded:
+        return self.cat.record_prefetch(parse_ref(r.image))
+
+    def cache_drop(self, _r: CacheDrop) -> CacheDropped:
+        return CacheDropped(freed=self.cat.cache.drop())
+
+    def pin(self, r: Pin) -> Pinned:
         """Fetch every chunk of an image into the cache and keep it there
         (evicted only as a last resort) until `unpin`: an operator's way to
         keep a hot template local."""
-        ref = parse_ref(str(r.get("image")))
+        ref = parse_ref(r.image)
         digests = sorted(set(self.cat.view_for_ref(ref).digests()))
         self.cat.cache.pin(("admin", str(ref)), digests)
         list(self.cat._prefetch.map(self.cat.fetcher.prefetch, digests))
-        return {"image": str(ref), "chunks": len(digests), "cached": sum(map(self.cat.cache.contains, digests))}
+        return Pinned(image=str(ref), chunks=len(digests), cached=sum(map(self.cat.cache.contains, digests)))
 
-    def op_unpin(self, r: dict[str, Any]) -> dict[str, Any]:
-        ref = parse_ref(str(r.get("image")))
+    def unpin(self, r: Unpin) -> Unpinned:
+        ref = parse_ref(r.image)
         self.cat.cache.unpin(("admin", str(ref)))
-        return {"image": str(ref)}
+        return Unpinned(image=str(ref))
 
-    def op_shutdown(self, _r: dict[str, Any]) -> dict[str, Any]:
+    def shutdown(self, _r: Shutdown) -> ShuttingDown:
         if self._token is not None:
             trio.from_thread.run_sync(pyfuse3.terminate, trio_token=self._token)
-        return {"stopping": True}
+        return ShuttingDown(pid=os.getpid())
 
     async def _watch_signals(self, scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -373,10 +372,10 @@ def set_read_ahead(mountpoint: Path, kib: int) -> bool:
     return False
 
 
-def serve(args: argparse.Namespace, ready: Callable[[], None]) -> None:
+def serve(settings: MountSettings, ready: Callable[[], None]) -> None:
     """Run a daemon in this process until unmounted."""
-    mountpoint = check_mountpoint(Path(args.mountpoint))
-    sock = control_socket(mountpoint)
+    mountpoint = check_mountpoint(Path(settings.mountpoint))
+    sock = control_socket(mountpoint, settings.run_dir)
     if sock.exists():
         try:
             with socket.socket(socket.AF_UNIX) as s:
@@ -386,21 +385,15 @@ def serve(args: argparse.Namespace, ready: Callable[[], None]) -> None:
             sock.unlink(missing_ok=True)
     if not os.path.exists("/dev/fuse"):
         raise StrataError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
-    store = open_store(args.store, **settings_from_env(os.environ))  # the daemon process's top: its environment
-    cache = ChunkCache(Path(args.cache_dir), capacity=args.cache_size)
-    upper_root = Path(args.upper_dir) if args.upper_dir else state_dir() / "uppers"
-    cat = Catalogue(store, cache, upper_root)
+    store = open_store(settings.store, **settings.store_options)
+    cache = ChunkCache(settings.cache_dir, capacity=settings.cache_size)
+    cat = Catalogue(store, cache, settings.upper_dir)
     Daemon(mountpoint, cat, sock).run(ready)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the background daemon process (`python -m fusefs.daemon`)."""
-    parser = argparse.ArgumentParser(prog="strata-mountd")
-    parser.add_argument("mountpoint")
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--cache-dir", required=True)
-    parser.add_argument("--cache-size", type=int, required=True)
-    parser.add_argument("--upper-dir")
+    parser = argparse.ArgumentParser(prog="strata-mountd", description="reads its MountSettings (JSON) on stdin")
     parser.add_argument("--ready-fd", type=int)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -413,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             ready_file.close()
 
     try:
-        serve(args, ready)
+        serve(MountSettings.from_json(sys.stdin.buffer.read()), ready)
     except StrataError as exc:
         log.error("%s", exc)
         if ready_file is not None and not ready_file.closed:

@@ -208,7 +208,8 @@ class NodeConfig:
         values["mount"] = Path(values["mount"] or state / "mnt")
         values["cache_dir"] = Path(values["cache_dir"] or state / "cache")
         values["guest_dir"] = Path(values["guest_dir"] or state / "guest")
-        values["run_dir"] = Path(values["run_dir"] or default_run_dir(env))
+        values["run_dir"] = Path(values["run_dir"] or default_run_dir(euid=os.geteuid(),
+                                                                       xdg_runtime_dir=env.get("XDG_RUNTIME_DIR")))
         values["api_keys"] = values["api_keys"] + values["admin_keys"]
         if values["sandbox_timeout"] > values["max_timeout"]:
             raise InvalidInput("config: STRATA_SANDBOX_TIMEOUT is longer than STRATA_MAX_TIMEOUT")
@@ -284,12 +285,13 @@ def load_config(env: Mapping[str, str]) -> dict[str, str]:
     return merged
 
 
-def default_run_dir(env: Mapping[str, str]) -> Path:
-    """Where mount control sockets live when `run_dir` is not set: /run/strata
-    as root, else the user's runtime directory."""
-    if os.geteuid() == 0:
+def default_run_dir(*, euid: int, xdg_runtime_dir: str | None) -> Path:
+    """Where control sockets live when the config names no run dir: /run/strata
+    as root (systemd's RuntimeDirectory), else the user's runtime dir, else a
+    per-user directory under /tmp."""
+    if euid == 0:
         return Path("/run/strata")
-    return Path(env.get("XDG_RUNTIME_DIR") or f"/tmp/strata-{os.getuid()}") / "strata"
+    return Path(xdg_runtime_dir or f"/tmp/strata-{euid}") / "strata"
 
 
 def config_reference() -> str:

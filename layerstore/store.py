@@ -44,17 +44,15 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 from .backend import Backend, RetryingBackend
 from .catalog import Catalog
 from .chunk import CHUNK_PREFIX, DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decode_chunk, encode_chunk
 from .digest import check_digest, digest_bytes
-from .config import DEFAULT_STATE_DIR
 from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
@@ -442,37 +440,6 @@ def inspect_image(store: Store, ref: Ref | str) -> ImageInfo:
     )
 
 
-def state_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where per-node state lives: STRATA_STATE_DIR in `env`, else DEFAULT_STATE_DIR.
-
-    Transitional: `env=None` still means os.environ for fusefs/daemon.py
-    serve()'s upper-dir default, the one caller that passes nothing; callers
-    should read NodeConfig.state_dir instead, and this function go.
-    """
-    env = os.environ if env is None else env
-    return Path(os.path.expanduser(env.get("STRATA_STATE_DIR", DEFAULT_STATE_DIR)))
-
-
-def settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """`open_store` keywords from STRATA_* variables in `env` (a mapping the caller read).
-
-    Transitional, for callers at the top that still hold an environment
-    rather than a NodeConfig (layerstore/cli.py, vmm/cli.py, api/app.py and
-    the mount daemon pass `env=` to open_store). S3 credentials are not
-    among them: boto3's default chain reads AWS_* itself.
-    """
-    path_style = env.get("STRATA_S3_PATH_STYLE", "true").lower() not in ("0", "false", "no", "virtual")
-    return {
-        "s3_endpoint": env.get("STRATA_S3_ENDPOINT", ""),
-        "s3_region": env.get("STRATA_S3_REGION", "") or env.get("AWS_REGION", ""),
-        "s3_path_style": path_style,
-        "remote": env.get("STRATA_REMOTE", ""),
-        "peers": tuple(p for p in env.get("STRATA_PEERS", "").split(",") if p.strip()),
-        "peer_key": env.get("STRATA_PEER_KEY", ""),
-        "state_dir": state_dir(env),
-    }
-
-
 def open_store(
     spec: str,
     *,
@@ -487,7 +454,6 @@ def open_store(
     create: bool = True,
     retry_attempts: int = 4,
     backend: Backend | None = None,
-    env: Mapping[str, str] | None = None,
 ) -> Store:
     """Open the store named by `spec`, a directory path or `s3://BUCKET/PREFIX`, with its read path.
 
@@ -503,15 +469,12 @@ def open_store(
       catalog inside its directory); an s3:// `spec` without it is refused,
       since a guessed default would scatter catalogs where nobody looks.
     - `backend` substitutes a ready-made primary backend (tests inject moto).
-    - `env` is transitional (see `settings_from_env`): given, it replaces the
-      settings above; it is never read from os.environ.
+    Nothing is read from the environment: the settings come from the
+    caller (the node's NodeConfig.store_options at the top).
 
     The bucket is checked up front so a misconfigured store fails here, with
     one clear line, instead of halfway through work.
     """
-    if env is not None:
-        return open_store(spec, **settings_from_env(env), level=level, create=create,
-                          retry_attempts=retry_attempts, backend=backend)
     if not spec:
         raise InvalidInput("no store given: pass --store PATH|s3://BUCKET/PREFIX or set STRATA_STORE")
     s3 = {"endpoint": s3_endpoint, "region": s3_region, "path_style": s3_path_style}

@@ -13,7 +13,6 @@ from pathlib import Path
 import blake3
 import pytest
 
-from fusefs.client import call
 from tests.test_fusefs_mount import Mount
 
 GiB = 1 << 30
@@ -48,7 +47,7 @@ def test_image_larger_than_cache_reads_back_exactly(tmp_path: Path) -> None:
 
         def sample() -> None:
             while not done.is_set():
-                samples.append(call(m.mnt, {"op": "stats"}, timeout=10, env=m.env)["cache"]["size"])
+                samples.append(m.client.stats(timeout=10).cache["size"])
                 time.sleep(0.1)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -75,8 +74,8 @@ def test_image_larger_than_cache_reads_back_exactly(tmp_path: Path) -> None:
             sampler.join(timeout=10)
         assert mismatches == []
         assert samples and max(samples) <= CACHE
-        stats = call(m.mnt, {"op": "stats"}, env=m.env)
-        assert stats["cache"]["evictions"] > 0
-        assert stats["fetches"] >= DATA_CHUNKS  # every data chunk came from the store; no hole did
+        stats = m.client.stats()
+        assert stats.cache["evictions"] > 0
+        assert stats.fetches >= DATA_CHUNKS  # every data chunk came from the store; no hole did
     finally:
         m.stop()

@@ -13,6 +13,7 @@ from typing import Iterator
 
 import pytest
 
+from fusefs.client import MountClient
 from tests.conftest import IN_CI, MotoHTTP
 from tests.images import MiB, write_image
 from tests.test_cli import run
@@ -59,6 +60,11 @@ class Mount:
 
     def stats(self) -> dict:
         return json.loads(self.strata("cache", "stats", "--mount", str(self.mnt), "--json").stdout)
+
+    @property
+    def client(self) -> MountClient:
+        """A typed client of this mount's daemon (its socket under the test's STRATA_RUN_DIR)."""
+        return MountClient(self.mnt, run_dir=Path(self.env["STRATA_RUN_DIR"]))
 
     def image(self, ref: str) -> Path:
         return self.mnt / "images" / ref / "disk.img"

@@ -8,7 +8,8 @@ import pytest
 
 from layerstore.errors import InvalidInput
 from layerstore.readthrough import ReadThroughBackend
-from layerstore.store import open_store, settings_from_env
+from layerstore.config import NodeConfig
+from layerstore.store import open_store
 
 
 def test_a_local_store_reads_no_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,10 +36,14 @@ def test_an_s3_store_needs_a_state_dir(tmp_path: Path) -> None:
         open_store("s3://bucket/prefix", s3_endpoint="http://127.0.0.1:9")
 
 
-def test_settings_from_env_maps_the_strata_variables(tmp_path: Path) -> None:
-    settings = settings_from_env({"STRATA_S3_ENDPOINT": "http://x:1", "STRATA_S3_PATH_STYLE": "false",
-                                  "STRATA_REMOTE": "s3://b/p", "STRATA_PEERS": "http://a:1,,http://b:2",
-                                  "STRATA_PEER_KEY": "secret-key", "STRATA_STATE_DIR": str(tmp_path),
-                                  "AWS_SECRET_ACCESS_KEY": "not ours"})
-    assert settings == {"s3_endpoint": "http://x:1", "s3_region": "", "s3_path_style": False, "remote": "s3://b/p",
-                        "peers": ("http://a:1", "http://b:2"), "peer_key": "secret-key", "state_dir": tmp_path}
+def test_node_config_gives_open_store_its_settings(tmp_path: Path) -> None:
+    (tmp_path / "none.toml").write_text("")
+    config = NodeConfig.load({"STRATA_S3_ENDPOINT": "http://x:1", "STRATA_S3_PATH_STYLE": "false",
+                              "STRATA_REMOTE": "s3://b/p", "STRATA_PEERS": "http://a:1,,http://b:2",
+                              "STRATA_PEER_KEY": "secret-key", "STRATA_STATE_DIR": str(tmp_path),
+                              "STRATA_CONFIG": str(tmp_path / "none.toml"), "AWS_SECRET_ACCESS_KEY": "not ours"},
+                             require_store=False)
+    assert config.store_options() == {"s3_endpoint": "http://x:1", "s3_region": "", "s3_path_style": False,
+                                      "remote": "s3://b/p", "peers": ("http://a:1", "http://b:2"),
+                                      "peer_key": "secret-key", "state_dir": tmp_path}
+    assert config.store_options(own=False)["remote"] == "" and config.store_options(own=False)["peers"] == ()

@@ -650,8 +650,8 @@ def test_real_sandbox_snapshot_kill_restore(tmp_path: Path, guest: Path) -> None
     m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
     m.start()
     store = open_store(str(tmp_path / "store"))
-    boxes = Sandboxes(store, m.mnt, FirecrackerBackend(kernel_cache=tmp_path / "kcache"), guest_dir=guest,
-                      work_root=tmp_path / "work", control_env=m.env)
+    boxes = Sandboxes(store, m.client, FirecrackerBackend(kernel_cache=tmp_path / "kcache"), guest_dir=guest,
+                      work_root=tmp_path / "work")
     try:
         sb = boxes.boot("guest:v1", sid="src")
         assert sb.vm.agent.run("echo kept-on-disk > /root/file && sync").exit_code == 0

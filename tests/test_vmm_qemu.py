@@ -114,8 +114,8 @@ def node(tmp_path: Path, guest: Path) -> Iterator[Callable[..., Node]]:
         m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
         m.start()
         store = open_store(str(tmp_path / "store"))
-        boxes = Sandboxes(store, m.mnt, QemuBackend(accel=detect()), guest_dir=guest, work_root=tmp_path / "work",
-                          memory_mib=memory_mib, control_env=m.env)
+        boxes = Sandboxes(store, m.client, QemuBackend(accel=detect()), guest_dir=guest, work_root=tmp_path / "work",
+                          memory_mib=memory_mib)
         made.append(Node(m, store, boxes))
         return made[-1]
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusefs.client import call
+from fusefs.client import MountClient
 from layerstore.errors import Conflict, InvalidInput, MissingChunk, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
@@ -70,29 +70,24 @@ class Sandboxes:
     def __init__(
         self,
         store: Store,
-        mountpoint: Path,
+        client: MountClient,
         backend: VmmBackend,
         *,
         guest_dir: Path,
         work_root: Path,
         memory_mib: int = 256,
-        control_env: dict[str, str] | None = None,
     ) -> None:
         self.store = store
-        self.mount = mountpoint
+        self.client = client  # the mount daemon: sandbox disks, seals, cache
+        self.mount = client.mountpoint  # VM specs name files on the mount
         self.backend = backend
         self.guest_dir = guest_dir
         self.registry = Registry(work_root)
         self.memory_mib = memory_mib
-        self.control_env = control_env
         self._vms: dict[str, Vm] = {}
         self._boot_layers: dict[str, str] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
-
-    def control(self, request: dict) -> dict:
-        """One request to the mount daemon (sandbox disks, seals, cache)."""
-        return call(self.mount, request, env=self.control_env)
 
     @contextmanager
     def _locked(self, sid: str) -> Iterator[None]:
@@ -150,15 +145,15 @@ class Sandboxes:
             rows.append({**record.__dict__, "alive": alive})
         return rows
 
-    def _start(self, record: SandboxRecord, spec: VmSpec, disk_request: dict, memory_layer: str, *,
+    def _start(self, record: SandboxRecord, spec: VmSpec, disk: dict[str, str], memory_layer: str, *,
                keep_record: bool = False) -> Sandbox:
-        """Create the sandbox's disk and RAM upper layers, start the VM; on
-        failure remove all of it (and the record, unless it predates this
-        start: a wake)."""
+        """Create the sandbox's disk (over `disk`: {"image": ...} or
+        {"manifest": ...}) and RAM upper layers, start the VM; on failure
+        remove all of it (and the record, unless it predates this start: a wake)."""
         work = self.registry.workdir(record.sid)
         try:
-            self.control({"op": "sandbox_create", "sid": record.sid, **disk_request})
-            self.control({"op": "sandbox_create", "sid": memory_sid(record.sid), "manifest": memory_layer})
+            self.client.create_disk(record.sid, **disk)
+            self.client.create_disk(memory_sid(record.sid), manifest=memory_layer)
             self.registry.save(record)
             started = time.monotonic()
             vm = self.backend.start(spec)
@@ -239,8 +234,8 @@ class Sandboxes:
         sandbox.vm.save_state(state)
         self._flush_mount()  # guest RAM pages dirty in the page cache reach the upper layer first
         t1 = time.monotonic()
-        disk = self.control({"op": "seal", "sid": sid, "wait": True})["manifest"]
-        memory = self.control({"op": "seal", "sid": memory_sid(sid), "wait": True})["manifest"]
+        disk = self.client.seal(sid, wait=True).manifest
+        memory = self.client.seal(memory_sid(sid), wait=True).manifest
         t2 = time.monotonic()
         state_id = import_image(self.store, state).manifest_id
         snap = Snapshot(
@@ -405,7 +400,7 @@ class Sandboxes:
         for name in (sid, memory_sid(sid)):
             while True:
                 try:
-                    self.control({"op": "sandbox_remove", "sid": name})
+                    self.client.remove_disk(name)
                 except NotFound:
                     pass
                 except Conflict:
