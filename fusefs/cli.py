@@ -8,6 +8,7 @@ positional MOUNTPOINT of `mount`/`umount`), else the configured `mount`
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -40,7 +41,9 @@ def cmd_mount(args: argparse.Namespace, ctx: MountContext) -> int:
     from .control import MountSettings
 
     settings = MountSettings.from_config(ctx.config, upper_dir=Path(args.upper_dir) if args.upper_dir else None)
-    settings.mountpoint.mkdir(parents=True, exist_ok=True)
+    if args.mount is None:  # the node's own mount point is made on first use; a named one must exist
+        with contextlib.suppress(OSError):  # exists (maybe a dead mount: the daemon clears it)
+            settings.mountpoint.mkdir(parents=True)
     if args.foreground:
         import logging
 

@@ -225,6 +225,7 @@ def test_push_and_pull_default_to_the_configured_remote(tmp_path: Path) -> None:
     write_image(tmp_path / "a.img", "rp")
     assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], env).returncode == 0
     _one_line_error(run(["push", "a:1"], env), 1, "STRATA_REMOTE")
+    assert run(["image", "ls"], {"STRATA_STORE": str(tmp_path / "remote")}).returncode == 0  # creates it
     config = tmp_path / "config.toml"
     config.write_text(f'remote = "{tmp_path / "remote"}"\n')  # in the file only: the file is read too
     env["STRATA_CONFIG"] = str(config)

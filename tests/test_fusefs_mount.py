@@ -322,3 +322,28 @@ def test_snapshot_layers_are_served(mount: Mount) -> None:
         with pytest.raises(OSError) as e:
             f.write(b"x")  # ...but nothing is ever written to it
         assert e.value.errno == errno.EROFS
+
+
+def test_the_daemon_serves_the_config_file_and_environment(tmp_path: Path) -> None:
+    """`strata mount` hands the daemon the node's whole configuration: a
+    remote named only in the config file is read through, and the cache cap
+    comes from STRATA_CACHE_SIZE when no flag is given."""
+    content = write_image(tmp_path / "a.img", "rprp")
+    remote = {"STRATA_STORE": str(tmp_path / "remote")}
+    assert run(["image", "import", str(tmp_path / "a.img"), "app:v1"], remote).returncode == 0
+    config = tmp_path / "config.toml"
+    config.write_text(f'store = "{tmp_path / "node"}"\nremote = "{tmp_path / "remote"}"\n'
+                      f'state_dir = "{tmp_path / "state"}"\nrun_dir = "{tmp_path / "run"}"\n'
+                      f'mount = "{tmp_path / "mnt"}"\n')
+    node = {"STRATA_CONFIG": str(config)}
+    r = run(["pull", "app:v1", "--json"], node)  # manifests only: the chunks stay in the remote
+    assert r.returncode == 0 and json.loads(r.stdout)["chunks_sent"] == 0, r.stderr
+    try:
+        r = run(["mount", "--json"], {**node, "STRATA_CACHE_SIZE": "3M"})  # the configured mount point, made
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / "mnt" / "images" / "app:v1" / "disk.img").read_bytes() == content
+        stats = json.loads(run(["cache", "stats", "--json"], node).stdout)
+        assert stats["capacity"] == 3 * MiB and stats["backend_fetches"] >= 1
+    finally:
+        run(["umount"], node)
+        subprocess.run(["fusermount3", "-u", "-z", str(tmp_path / "mnt")], capture_output=True)
