@@ -11,6 +11,10 @@ extension of "E2B-compatible".
 The spec is E2B's own file, kept whole (SPEC_SOURCE says which one), read
 from $STRATA_E2B_SPEC or shared/e2b/openapi.yml beside the repository; the
 test is skipped, saying where to put it, when neither exists.
+
+tests/test_e2b_sdk.py makes the same checks, always, against the client the
+`e2b` SDK (PyPI) generates from E2B's spec; it imports STRATA_ONLY and
+DEVIATES from here, so these two lists decide what both tests exempt.
 """
 
 from __future__ import annotations
