@@ -79,13 +79,14 @@ class NodeContext:
         return self._sandboxes
 
     def node(self):  # noqa: ANN201 (api.node.Node; imported late: FastAPI's import is slow)
-        """The API's Node over this node's sandboxes, with its metrics watching them."""
+        """The API's Node over this node's sandboxes, its metrics watching them."""
         from .metrics import Metrics
         from .node import Node
+        from .server import watch_metrics
 
         boxes = self.sandboxes()
         node = Node(self.config, boxes.store, boxes, Metrics())
-        node.watch_metrics()
+        watch_metrics(node)
         return node
 
     def close(self) -> None:

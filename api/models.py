@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from vmm.registry import SandboxRecord
 
@@ -137,8 +138,12 @@ class SandboxForkRequest(Lenient):
 
 
 class SandboxForkResult(Reply):
-    sandbox: Sandbox | None = None
-    error: Error | None = None
+    """One fork: `sandbox` when it started, `error` when it did not. The other
+    is left out, not sent as null: E2B's SDK parses a present `error` (the
+    route answers with response_model_exclude_none)."""
+
+    sandbox: Sandbox | SkipJsonSchema[None] = None
+    error: Error | SkipJsonSchema[None] = None
 
 
 class SandboxSnapshotRequest(Lenient):

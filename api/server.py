@@ -52,7 +52,6 @@ def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
         raise InvalidInput("no API keys: set STRATA_API_KEYS (comma-separated, 8+ characters each)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = ctx.node()
-    watch_metrics(node)
     node.start()
     try:
         log.info("serving %s on http://%s:%d (mount %s)", node.store.describe(), config.host, config.port,

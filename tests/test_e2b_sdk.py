@@ -279,17 +279,6 @@ def _pydantic_model(schema: object) -> type[pydantic.BaseModel] | None:
 # Differences this test found and reported, not fixed here: (test, operation) -> what is wrong. Each is a
 # strict xfail, so the test fails again once it is fixed, and the entry must go.
 KNOWN_FAILURES: dict[tuple[str, tuple[str, str]], str] = {
-    ("test_response_has_what_the_sdk_reads", ("POST", "/sandboxes/{sandboxID}/fork")):
-        "each SandboxForkResult is sent with `sandbox` and `error` always present, the one unused as null; "
-        "the SDK's are optional and not nullable",
-    ("test_sample_response_parses_with_the_sdk", ("POST", "/sandboxes/{sandboxID}/fork")):
-        "the SDK's SandboxForkResult.from_dict calls Error.from_dict(None) on our `\"error\": null` and raises "
-        "TypeError: a fork through the SDK's client fails after the forks were made",
-    ("test_strata_only_routes_are_not_sdk_operations", ("POST", "/v2/sandboxes")):
-        "STRATA_ONLY says E2B has no v2 create; e2b 2.x's client calls POST /v2/sandboxes (NewSandboxV2). "
-        "Our route passes the SDK checks here; where to list it is for test_e2b_spec.py's owners",
-    ("test_strata_only_routes_are_not_sdk_operations", ("POST", "/v2/sandboxes/{sandboxID}/connect")):
-        "as above: e2b 2.x's client calls it (ConnectSandboxV2) and says to use it instead of v1 connect",
 }
 CLAIMED = claimed(ours())
 

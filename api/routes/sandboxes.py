@@ -104,7 +104,7 @@ def refresh(sandboxID: str, node: NodeDep, body: m.SandboxRefreshRequest | None 
 
 
 @router.post("/sandboxes/{sandboxID}/fork", status_code=201, response_model=list[m.SandboxForkResult],
-             summary="Snapshot once, start `count` independent copies (the source keeps running)")
+             response_model_exclude_none=True, summary="Snapshot once, start `count` independent copies (the source keeps running)")
 def fork(sandboxID: str, response: Response, node: NodeDep,
          body: m.SandboxForkRequest | None = None) -> list[m.SandboxForkResult]:
     body = body or m.SandboxForkRequest()  # E2B's body is optional: one fork, the default lifetime
