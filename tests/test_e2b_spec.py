@@ -152,7 +152,8 @@ def _lookup(doc: dict, ref: str) -> dict:
 
 
 def _widen(types: set[str]) -> set[str]:
-    return types | {"number"} if "integer" in types else types
+    """What may be sent where `types` is expected: an integer is a number (not the other way round)."""
+    return types | {"integer"} if "number" in types else types
 
 
 @dataclass(frozen=True)
