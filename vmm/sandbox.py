@@ -36,7 +36,7 @@ from layerstore.snapshot import Snapshot
 from layerstore.store import Store
 
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
-from .registry import Registry, SandboxRecord, new_sid
+from .registry import LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 
 log = logging.getLogger("strata.vmm")
 
@@ -63,8 +63,12 @@ class Sandbox:
 class Sandboxes:
     """Boot, pause, snapshot, restore, fork and kill the sandboxes of one node.
 
-    Safe to share between threads: operations on one sandbox are serialised,
-    different sandboxes proceed in parallel.
+    Safe to share between threads and to use from many processes at once (a
+    CLI command next to `strata serve`): every operation that touches a
+    sandbox's VM or record holds that sandbox's file lock (`Registry.lock`)
+    throughout, so operations on one sandbox are serialised node-wide and
+    different sandboxes proceed in parallel. One waits at most
+    `lock_timeout` seconds for another, then fails with Conflict ("busy").
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class Sandboxes:
         work_root: Path,
         memory_mib: int = 256,
         control_env: dict[str, str] | None = None,
+        lock_timeout: float = LOCK_TIMEOUT,
     ) -> None:
         self.store = store
         self.mount = mountpoint
@@ -85,10 +90,11 @@ class Sandboxes:
         self.registry = Registry(work_root)
         self.memory_mib = memory_mib
         self.control_env = control_env
+        self.lock_timeout = lock_timeout
         self._vms: dict[str, Vm] = {}
         self._boot_layers: dict[str, str] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
+        self._held = threading.local()  # .sids: the sandbox locks the current thread holds
+        self._guard = threading.Lock()  # the boot-layer cache
 
     def control(self, request: dict) -> dict:
         """One request to the mount daemon (sandbox disks, seals, cache)."""
@@ -96,10 +102,18 @@ class Sandboxes:
 
     @contextmanager
     def _locked(self, sid: str) -> Iterator[None]:
-        with self._guard:
-            lock = self._locks.setdefault(sid, threading.Lock())
-        with lock:
+        """Hold sandbox `sid`'s lock (re-entrant per thread, so a locked
+        operation may call another: resume -> wake, suspend -> snapshot)."""
+        held: set[str] = self._held.__dict__.setdefault("sids", set())
+        if sid in held:
             yield
+            return
+        with self.registry.lock(sid, timeout=self.lock_timeout):
+            held.add(sid)
+            try:
+                yield
+            finally:
+                held.discard(sid)
 
     def _boot_layer(self, name: str) -> str:
         """Kernel and initrd as layers (imported once; identical bytes dedup)."""
@@ -110,23 +124,35 @@ class Sandboxes:
                 self._boot_layers[name] = import_image(self.store, self.guest_dir / name, ref).manifest_id
             return self._boot_layers[name]
 
-    def _claim(self, sid: str | None) -> str:
+    def _new_sid(self, sid: str | None) -> str:
         sid = sid or new_sid()
         if len(sid) > 60:  # the RAM layer is <sid>.mem, and mount names stop at 64
             raise InvalidInput(f"sandbox id {sid[:20]}... is longer than 60 characters")
-        if self.registry.exists(sid):
-            raise InvalidInput(f"sandbox {sid} already exists")
         return sid
 
+    def _claim(self, sid: str) -> None:
+        """Refuse an id in use; called under the sid's lock, so two processes
+        creating the same id cannot both pass."""
+        if self.registry.exists(sid):
+            raise InvalidInput(f"sandbox {sid} already exists")
+
     def get(self, sid: str) -> Sandbox:
-        """The sandbox `sid` with a live VM handle (attaching if another process started it)."""
+        """The sandbox `sid` with a live VM handle (attaching if another process
+        started it, or replaced its VM since: suspend and wake, kill and boot).
+
+        Takes no lock itself: the operations below call it under the
+        sandbox's lock; a caller using the handle directly (exec through
+        `vm.agent`) is not serialised with them.
+        """
         record = self.registry.load(sid)
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused to the store: resume it first")
         vm = self._vms.get(sid)
-        if vm is None or not vm.alive():
+        if vm is None or not vm.alive() or (record.pid is not None and vm.pid != record.pid):
             if record.backend != self.backend.name:
                 raise InvalidInput(f"sandbox {sid} runs on {record.backend}, this node uses {self.backend.name}")
+            if vm is not None:
+                vm.agent.close()  # a handle of a VM that is gone or not this sandbox's any more
             vm = self._vms[sid] = self.backend.attach(self.registry.workdir(sid))
         return Sandbox(record, vm, self.registry.workdir(sid))
 
@@ -183,14 +209,14 @@ class Sandboxes:
         returns once the guest agent answers."""
         ref = parse_ref(image)
         self.store.resolve(ref)  # unknown image: NotFound before anything is created
-        with self._guard:
-            sid = self._claim(sid)
+        sid = self._new_sid(sid)
+        with self._locked(sid):
+            self._claim(sid)
             memory = memory_mib or self.memory_mib
             record = SandboxRecord(sid, self.backend.name, f"image:{ref}", memory, metadata=dict(metadata or {}),
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
-        with self._locked(sid):
             return self._start(record, VmSpec(
                 kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
                 disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work, memory_mib=memory,
@@ -203,9 +229,10 @@ class Sandboxes:
 
     def resume(self, sid: str) -> Sandbox:
         """Continue the vCPUs, or wake a sandbox suspended to the store."""
-        if self.registry.load(sid).state == "suspended":
-            return self.wake(sid)
-        return self._set_vcpus(sid, "resume", "running")
+        with self._locked(sid):  # the state read and the action are one operation
+            if self.registry.load(sid).state == "suspended":
+                return self.wake(sid)
+            return self._set_vcpus(sid, "resume", "running")
 
     def _set_vcpus(self, sid: str, action: str, state: str) -> Sandbox:
         """vm.pause() or vm.resume(), timed, with the new state recorded."""
@@ -277,15 +304,15 @@ class Sandboxes:
         """A new sandbox started from a snapshot, its RAM and disk served lazily."""
         snap = self.store.get_snapshot(snapshot_id)
         self._check_complete(snapshot_id, snap)
-        with self._guard:
-            sid = self._claim(sid)
+        sid = self._new_sid(sid)
+        with self._locked(sid):
+            self._claim(sid)
             memory = int(snap.vm["memory_mib"])  # type: ignore[arg-type]
             record = SandboxRecord(sid, self.backend.name, f"snapshot:{snapshot_id}", memory,
                                    last_snapshot=snapshot_id, metadata=dict(metadata or {}),
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
-        with self._locked(sid):
             return self._start(record, self._restore_spec(snapshot_id, snap, work), {"manifest": snap.layers["disk"]},
                                snap.layers["memory"])
 
@@ -381,9 +408,7 @@ class Sandboxes:
         with self._locked(sid):
             self.registry.load(sid)  # NotFound for an unknown id
             self._stop(sid)
-            self.registry.remove(sid)
-        with self._guard:
-            self._locks.pop(sid, None)
+            self.registry.remove(sid)  # releasing the lock then removes its file too
 
     def _stop(self, sid: str) -> None:
         """Stop the VM (if any) and remove the sandbox disk (if any)."""
