@@ -1,18 +1,30 @@
 """Sandboxes: VMs whose disk, memory and state live in Strata's layers.
 
-`Sandboxes` ties the pieces together: the mount daemon gives each sandbox a
-copy-on-write disk (`fusefs`), a `VmmBackend` runs the VM with its RAM in a
-file, the store keeps snapshots, and a `Registry` keeps one record per
-sandbox on disk so any later process (the next CLI command, a restarted API
-service) can find and control it again:
+`Sandboxes` ties the pieces together. The mount daemon (`fusefs`) gives each
+sandbox two copy-on-write upper layers: its disk (`sandboxes/<sid>/disk.img`)
+and its guest RAM (`sandboxes/<sid>.mem/disk.img`). QEMU maps that RAM
+file shared, so guest memory writes land in the RAM upper layer as they
+happen; Firecracker writes guest memory into it when it saves state (see
+vmm/firecracker.py). A `VmmBackend` runs the VM, the store keeps snapshots,
+and a `Registry` keeps one record per sandbox on disk so any later process
+(the next CLI command, a restarted API service) can find and control it
+again. Every operation on a sandbox holds its file lock (`Registry.lock`)
+throughout, so processes and threads acting on one sandbox take turns.
 
-    snapshot = pause -> device state to a file -> seal the disk's upper layer
-               -> RAM file and state file imported as layers (RAM with the
-                  previous snapshot's RAM as parent, so only changed chunks
-                  are stored) -> snapshot manifest -> resume
-    restore  = new copy-on-write disk over the snapshot's disk layer, RAM
-               mapped copy-on-write from snapshots/<id>/memory on the mount
-               (paged in lazily), device state streamed from .../state
+    boot     = disk upper layer over the image, RAM upper layer over an
+               all-holes layer of the memory size, then the VM
+    snapshot = pause -> device state to workdir/state -> syncfs the mount
+               (dirty guest RAM pages reach the RAM upper layer) -> seal the
+               disk and RAM upper layers (each new layer holds only the
+               chunks dirtied since the last seal) -> state file imported as
+               a layer -> snapshot manifest (parent: the previous snapshot)
+               -> resume, if it was running
+    restore  = disk and RAM upper layers over the snapshot's disk and memory
+               layers (chunks fetched lazily as the VM touches them), device
+               state streamed from snapshots/<id>/state on the mount; a
+               restored sandbox snapshots incrementally like a booted one
+    suspend  = snapshot, then stop the VM and drop both upper layers (only
+               the record remains); wake = restore under the same id
 """
 
 from __future__ import annotations
@@ -326,7 +338,7 @@ class Sandboxes:
             memory_file=self._memory_path(work.name), incoming=served / "state")
 
     def suspend(self, sid: str) -> str:
-        """Snapshot, then stop the VM and drop the upper layer: the sandbox
+        """Snapshot, then stop the VM and drop its upper layers: the sandbox
         keeps its id and record but costs the node no memory or disk until
         `wake`. Returns the snapshot id."""
         with self._locked(sid):
@@ -401,8 +413,8 @@ class Sandboxes:
         return forks
 
     def kill(self, sid: str) -> None:
-        """Stop the VM (even one nobody can attach to), drop the upper layer
-        (its sealed layers stay in the store when a snapshot names them) and
+        """Stop the VM (even one nobody can attach to), drop the upper layers
+        (their sealed layers stay in the store when a snapshot names them) and
         the work directory. Closing the disk and RAM files releases the
         mount's cache pins."""
         with self._locked(sid):
@@ -411,7 +423,7 @@ class Sandboxes:
             self.registry.remove(sid)  # releasing the lock then removes its file too
 
     def _stop(self, sid: str) -> None:
-        """Stop the VM (if any) and remove the sandbox disk (if any)."""
+        """Stop the VM (if any) and remove the disk and RAM upper layers (if any)."""
         vm = self._vms.pop(sid, None)
         if vm is None and self.backend.is_running(self.registry.workdir(sid)):
             try:
