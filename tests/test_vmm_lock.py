@@ -1,5 +1,7 @@
 """The per-sandbox file lock (vmm/registry.py `Registry.lock`) and its use by
-`Sandboxes`: real processes and threads contend on one sandbox; no VM needed.
+`Sandboxes`: real processes and threads contend on one sandbox (no VM
+needed), then a real QEMU guest (TCG here) is controlled by another process
+while this one keeps its handle.
 
 A holder appends "start"/"end" markers to a shared file around its critical
 section; serialisation means the markers never interleave. The holder
@@ -8,6 +10,7 @@ processes are `python -c` children (PYTHONPATH points at this checkout).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,6 +24,8 @@ from typing import Any
 import pytest
 
 from layerstore.errors import Conflict, NotFound
+from tests.conftest import needs_qemu
+from tests.test_vmm_qemu import node  # noqa: F401 - the fixture
 from vmm.registry import LOCKS, Registry, SandboxRecord
 from vmm.sandbox import Sandboxes
 
@@ -295,3 +300,44 @@ def test_a_waiter_on_a_killed_sandbox_gets_not_found_and_recreation_works(tmp_pa
     boxes.registry.save(SandboxRecord("box", "fake", "image:x:v1", 256, pid=4242))
     assert boxes.update("box", metadata={"again": "1"}).metadata == {"again": "1"}
     assert re.fullmatch(r"\d+ [\d.]+\n", (boxes.registry.root / LOCKS / "box").read_text())
+
+
+# --- a real QEMU sandbox controlled from two processes -------------------------------------------
+
+OTHER_PROCESS = """
+import json, sys
+from pathlib import Path
+from layerstore.store import open_store
+from vmm.accel import detect
+from vmm.qemu import QemuBackend
+from vmm.sandbox import Sandboxes
+a = json.loads(sys.argv[1])
+store = open_store(a["store"])
+boxes = Sandboxes(store, Path(a["mnt"]), QemuBackend(accel=detect()), guest_dir=Path(a["guest"]),
+                  work_root=Path(a["work"]), control_env=a["env"])
+boxes.pause("box")
+print(boxes.snapshot("box"), flush=True)
+store.close()
+"""
+
+
+@needs_qemu
+def test_another_process_controls_a_vm_this_one_holds_a_handle_to(tmp_path: Path, node: Any, guest: Path) -> None:
+    """The booting process keeps its VM handle (as strata serve does) while
+    another process pauses and snapshots the VM; the handle still works after.
+    (When handles held their QMP connection, the other process could not
+    attach at all.)"""
+    n = node()
+    sb = n.boxes.boot("guest:v1", sid="box")
+    args = {"store": str(tmp_path / "store"), "mnt": str(n.mount.mnt), "guest": str(guest),
+            "work": str(n.boxes.registry.root), "env": n.mount.env}
+    other = subprocess.run([sys.executable, "-c", OTHER_PROCESS, json.dumps(args)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.strip() in n.store.list_snapshots()
+    assert n.boxes.registry.load("box").state == "paused"
+    assert sb.vm.status() in ("paused", "postmigrate")  # the same handle, a new QMP connection
+    assert n.boxes.resume("box").vm is sb.vm
+    assert sb.vm.agent.run("echo alive").output.strip() == "alive"
+    n.boxes.kill("box")
+    assert list(n.boxes.registry.root.iterdir()) == []
