@@ -188,7 +188,10 @@ def _open_lock(path: Path) -> int:
     """Open (creating) a lock file; its directory may vanish meanwhile as
     the last lock in it is unlinked (`_unlink_lock`), so that is retried."""
     while True:
-        path.parent.mkdir(exist_ok=True)
+        try:
+            os.mkdir(path.parent)  # not Path.mkdir(exist_ok=True): it raises if the directory goes meanwhile
+        except FileExistsError:
+            pass
         try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except FileNotFoundError:
@@ -206,27 +209,35 @@ def _is_current(fd: int, path: Path) -> bool:
 
 
 def _acquire(path: Path, sid: str, timeout: float) -> int:
-    """flock `path` exclusively, polling (flock has no timeout) with a
-    growing pause; Conflict naming the holder once `timeout` has passed."""
+    """An fd of the file at `path`, flocked exclusively; Conflict naming the
+    holder once `timeout` has passed."""
     deadline = time.monotonic() + timeout
+    while True:
+        fd = _open_lock(path)
+        try:
+            _wait_flock(fd, sid, deadline)
+            if _is_current(fd, path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # its sandbox was removed while we waited: lock the file now at the path
+
+
+def _wait_flock(fd: int, sid: str, deadline: float) -> None:
+    """flock(LOCK_EX) `fd` before `deadline`, polling with a growing pause
+    (flock itself cannot time out)."""
     pause = 0.002
-    fd = _open_lock(path)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
         except BlockingIOError:
             left = deadline - time.monotonic()
             if left <= 0:
-                holder = _holder(fd)
-                os.close(fd)
-                raise Conflict(f"sandbox {sid} is busy: {holder}") from None
+                raise Conflict(f"sandbox {sid} is busy: {_holder(fd)}") from None
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.05)
-            continue
-        if _is_current(fd, path):
-            return fd
-        os.close(fd)  # its sandbox was removed while we waited: lock the file now at the path
-        fd = _open_lock(path)
 
 
 def _holder(fd: int) -> str:
