@@ -181,6 +181,7 @@ class FakeVm:
         self.lock_file = lock_file
         self.pid = pid
         self.calls: list[str] = []
+        self.running = True
         self.agent = type("NoAgent", (), {"close": lambda self: None})()
 
     def _check_locked(self, call: str) -> None:
@@ -201,7 +202,7 @@ class FakeVm:
         self._check_locked("resume")
 
     def alive(self) -> bool:
-        return True
+        return self.running
 
     def kill(self) -> None:
         self._check_locked("kill")
@@ -300,6 +301,21 @@ def test_a_waiter_on_a_killed_sandbox_gets_not_found_and_recreation_works(tmp_pa
     boxes.registry.save(SandboxRecord("box", "fake", "image:x:v1", 256, pid=4242))
     assert boxes.update("box", metadata={"again": "1"}).metadata == {"again": "1"}
     assert re.fullmatch(r"\d+ [\d.]+\n", (boxes.registry.root / LOCKS / "box").read_text())
+
+
+
+def test_a_vm_replaced_by_another_process_is_found_again(tmp_path: Path) -> None:
+    """This process's cached handle is of a VM another process stopped and
+    replaced (suspend, wake): operations and kill use the current VM."""
+    boxes, backend = fake_node(tmp_path)
+    old = boxes.pause("box").vm
+    old.running = False
+    new = backend.vms["box"] = FakeVm(old.lock_file, 4343)
+    boxes.update("box", pid=4343)
+    assert boxes.resume("box").vm is new and new.calls == ["resume"]
+    boxes._vms["box"] = old  # a stale handle kill must not trust
+    boxes.kill("box")
+    assert new.calls == ["resume", "kill"] and old.calls == ["pause"]
 
 
 # --- a real QEMU sandbox controlled from two processes -------------------------------------------

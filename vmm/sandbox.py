@@ -425,6 +425,9 @@ class Sandboxes:
     def _stop(self, sid: str) -> None:
         """Stop the VM (if any) and remove the disk and RAM upper layers (if any)."""
         vm = self._vms.pop(sid, None)
+        if vm is not None and not vm.alive():  # died, or another process replaced it (suspend, wake)
+            vm.agent.close()
+            vm = None
         if vm is None and self.backend.is_running(self.registry.workdir(sid)):
             try:
                 vm = self.backend.attach(self.registry.workdir(sid))
