@@ -27,13 +27,24 @@ used here are unchanged since v1.16.1) and docs/snapshotting/snapshot-support.md
     status   GET / -> InstanceInfo.state: "Not started" | "Running" | "Paused"
     errors   non-2xx with body {"fault_message": "..."} (swagger `Error`)
 
-Snapshots are always Full. Firecracker also has Diff snapshots (dirty pages
-only, to be merged onto a base with snapshot-editor), but Strata's incremental
-snapshots come from chunk dedup of the whole memory file against the parent
-memory layer, so a Full file is all it needs and there is nothing to merge.
-Restore maps the memory file MAP_PRIVATE (snapshot-support.md, "Snapshot
-files management"; persist.rs opens it read-only), so a lazily served FUSE
-file is paged in on demand and never written.
+Guest memory: a booted VM's RAM is Firecracker's own anonymous memory (it
+has no file-backed RAM at boot). `save_state` writes a Full snapshot: device
+state to the given path and all of guest memory to the VM's memory file,
+which for a `Sandboxes` sandbox (spec.memory_file, memory_shared) is its RAM
+upper layer on the mount, `sandboxes/<sid>.mem/disk.img`. Every chunk of
+that file is then written, so the seal that follows hashes all of them and
+the content-addressed store keeps only those whose bytes changed (QEMU,
+mapping the file shared, dirties only the chunks the guest wrote).
+Firecracker's Diff snapshots (dirty pages only, merged onto a base with
+snapshot-editor) are not used: the upper layer already merges.
+Restore loads the state and maps the memory file MAP_PRIVATE
+(snapshot-support.md, "Snapshot files management"; persist.rs opens it
+read-only): for a sandbox that is its new RAM upper layer over the
+snapshot's memory layer, paged in lazily from the mount; guest writes stay
+in the process's private pages until the next `save_state` writes them back
+into that same file. A VM restored from a memory file it must not write
+(memory_shared=False, not used by `Sandboxes`) saves its memory to
+workdir/ram instead.
 
 Restore: snapshot-support.md says the disk files "need to be accessible at the
 same relative paths to the new Firecracker process". Firecracker runs with
@@ -98,7 +109,7 @@ SERIAL_OUT = "serial.out"
 AGENT_LOCK = "agent.lock"
 DISK_LINK = "disk"
 VM_JSON = "vm.json"
-RAM_FILE = "ram"  # where a restored VM's RAM goes on save_state (the name Sandboxes imports)
+RAM_FILE = "ram"  # save_state's memory output for a VM whose memory file is read-only (memory_shared=False)
 DRIVE_ID = "rootfs"
 # Firecracker makes its stdout O_NONBLOCK (device_manager/mod.rs,
 # set_stdout_nonblocking): guest output that does not fit the FIFO is lost.
@@ -745,9 +756,11 @@ class FirecrackerBackend:
     def attach(self, workdir: Path, *, timeout: float = 5.0) -> FirecrackerVm:
         """Take control of a VM started earlier, maybe by another process.
 
-        The API socket takes many clients, so exclusivity comes from the
-        agent's lock: a VM whose agent another live process holds is
-        reported as busy rather than shared.
+        The API is connected per request, so it never stands in another
+        process's way. The agent's serial port serves one process (its
+        agent.lock): a VM whose agent another live process holds is reported
+        as busy rather than shared. (Lifecycle operations of `Sandboxes`
+        take turns through the sandbox's lock, vmm/registry.py.)
         """
         recorded = self._recorded(workdir)
         if recorded is None:

@@ -16,6 +16,13 @@ The command line (see vmm/guest/README.md for why each piece):
 The disk is opened with cache=none (O_DIRECT), the path the FUSE mount is
 fastest on. Snapshots are QEMU migration streams written with `exec:cat`
 (QEMU 7.2 has no `file:` URI).
+
+QMP serves one client at a time and VMs outlive the process that started
+them, so a `QemuVm` holds no QMP connection between calls: each call
+connects, runs its commands and disconnects. A handle therefore stays valid
+while other processes control the same VM in between (`vmm.sandbox` makes
+them take turns with the sandbox's lock); a call made while another client
+is connected waits for it (up to the QMP timeout).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from layerstore.errors import StrataError
@@ -36,7 +45,7 @@ from .accel import Accel, detect
 from .agent import Agent
 from .backend import VmmError, VmSpec
 from .process import kill_group, owns, wait_gone
-from .qmp import QMP, QMPError
+from .qmp import QMP
 
 log = logging.getLogger("strata.vmm")
 QEMU_BINARY = "qemu-system-x86_64"
@@ -49,16 +58,28 @@ def _owns(pid: int, workdir: Path) -> bool:
 
 class QemuVm:
     """A QEMU process we started, or re-attached to from its workdir (then
-    `proc` is None: another process of ours started it and may have exited)."""
+    `proc` is None: another process of ours started it and may have exited).
+    Every call opens its own QMP connection (see the module docstring)."""
 
-    def __init__(self, pid: int, workdir: Path, qmp: QMP, agent: Agent, *, ram_in_file: bool,
-                 proc: subprocess.Popen | None = None) -> None:
+    def __init__(self, pid: int, workdir: Path, agent: Agent, *, ram_in_file: bool,
+                 proc: subprocess.Popen | None = None, qmp_timeout: float = 30.0) -> None:
         self.proc = proc
         self.pid = pid
         self.workdir = workdir
         self.ram_in_file = ram_in_file
-        self.qmp = qmp
         self.agent = agent
+        self.qmp_timeout = qmp_timeout
+
+    @contextmanager
+    def _qmp(self) -> Iterator[QMP]:
+        """A QMP connection for one call, closed after it (QEMU then serves the next client)."""
+        if not self.alive():  # a dead QEMU's socket file refuses connections until the timeout
+            raise VmmError(f"the VM (pid {self.pid}) is no longer running")
+        qmp = QMP(self.workdir / "qmp.sock", timeout=self.qmp_timeout)
+        try:
+            yield qmp
+        finally:
+            qmp.close()
 
     def alive(self) -> bool:
         if self.proc is not None:
@@ -66,43 +87,52 @@ class QemuVm:
         return _owns(self.pid, self.workdir)
 
     def status(self) -> str:
-        return str(self.qmp.execute("query-status")["status"])
+        with self._qmp() as qmp:
+            return str(qmp.execute("query-status")["status"])
 
     def pause(self) -> None:
-        self.qmp.execute("stop")
+        with self._qmp() as qmp:
+            qmp.execute("stop")
 
     def resume(self) -> None:
-        self.qmp.execute("cont")
+        with self._qmp() as qmp:
+            qmp.execute("cont")
 
     def save_state(self, path: Path) -> None:
-        if self.status() not in ("paused", "postmigrate"):
-            raise VmmError("save_state needs a paused VM")
-        self.qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
-        if self.ram_in_file:  # RAM lives in its file: stream device state only
-            self.qmp.execute("migrate-set-capabilities",
-                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-        self.qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            info = self.qmp.execute("query-migrate")
-            state = info.get("status")
-            if state == "completed":
-                return
-            if state in ("failed", "cancelled"):
-                raise VmmError(f"saving VM state failed: {info.get('error-desc', state)}")
-            time.sleep(0.01)
-        raise VmmError("saving VM state did not finish within 300 s")
+        with self._qmp() as qmp:
+            if qmp.execute("query-status")["status"] not in ("paused", "postmigrate"):
+                raise VmmError("save_state needs a paused VM")
+            qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
+            if self.ram_in_file:  # RAM lives in its file: stream device state only
+                qmp.execute("migrate-set-capabilities",
+                            {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+            qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
+            _wait_migrated(qmp, timeout=300)
 
     def kill(self) -> None:
         if self.alive():
             try:
-                self.qmp.execute("quit", timeout=5)
-            except (QMPError, OSError):
+                with self._qmp() as qmp:
+                    qmp.execute("quit", timeout=5)
+            except (StrataError, OSError):  # QMPError, or VmmError if it died meanwhile
                 pass
             if not wait_gone(self.pid, 5, proc=self.proc):
                 kill_group(self.pid, proc=self.proc)
-        self.qmp.close()
         self.agent.close()
+
+
+def _wait_migrated(qmp: QMP, *, timeout: float) -> None:
+    """Poll query-migrate until the outgoing migration (a state save) completes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = qmp.execute("query-migrate")
+        state = info.get("status")
+        if state == "completed":
+            return
+        if state in ("failed", "cancelled"):
+            raise VmmError(f"saving VM state failed: {info.get('error-desc', state)}")
+        time.sleep(0.01)
+    raise VmmError(f"saving VM state did not finish within {timeout:.0f} s")
 
 
 class QemuBackend:
@@ -188,7 +218,8 @@ class QemuBackend:
                     raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
                 raise
             (spec.workdir / "vm.json").write_text(json.dumps({"pid": proc.pid, "ram_in_file": spec.memory_file is not None}))
-            return QemuVm(proc.pid, spec.workdir, qmp, agent, ram_in_file=spec.memory_file is not None, proc=proc)
+            qmp.close()  # the VM's handle connects per call
+            return QemuVm(proc.pid, spec.workdir, agent, ram_in_file=spec.memory_file is not None, proc=proc)
         except BaseException as exc:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -210,8 +241,10 @@ class QemuBackend:
     def attach(self, workdir: Path, *, timeout: float = 5.0) -> QemuVm:
         """Take control of a VM started earlier (maybe by another process).
 
-        QMP serves one client at a time, so a VM another live process holds
-        cannot be attached: that is reported rather than waited out.
+        Nothing is connected here (QMP connects per call, the agent on first
+        use), so a VM another process controls at the moment can still be
+        attached; its calls then wait their turn, each up to
+        max(`timeout`, 30 s) for QMP.
         """
         try:
             info = json.loads((workdir / "vm.json").read_text())
@@ -220,12 +253,8 @@ class QemuBackend:
         pid = int(info["pid"])
         if not _owns(pid, workdir):
             raise VmmError(f"the VM (pid {pid}) is no longer running")
-        try:
-            qmp = QMP(workdir / "qmp.sock", timeout=timeout)
-        except QMPError as exc:
-            raise VmmError(f"cannot control the VM (pid {pid}): {exc}; is another process (strata serve?) "
-                           "controlling it?") from None
-        return QemuVm(pid, workdir, qmp, Agent(workdir / "agent.sock"), ram_in_file=bool(info["ram_in_file"]))
+        return QemuVm(pid, workdir, Agent(workdir / "agent.sock"), ram_in_file=bool(info["ram_in_file"]),
+                      qmp_timeout=max(timeout, 30.0))
 
     def _recorded_pid(self, workdir: Path) -> int | None:
         try:

@@ -1,18 +1,30 @@
 """Sandboxes: VMs whose disk, memory and state live in Strata's layers.
 
-`Sandboxes` ties the pieces together: the mount daemon gives each sandbox a
-copy-on-write disk (`fusefs`), a `VmmBackend` runs the VM with its RAM in a
-file, the store keeps snapshots, and a `Registry` keeps one record per
-sandbox on disk so any later process (the next CLI command, a restarted API
-service) can find and control it again:
+`Sandboxes` ties the pieces together. The mount daemon (`fusefs`) gives each
+sandbox two copy-on-write upper layers: its disk (`sandboxes/<sid>/disk.img`)
+and its guest RAM (`sandboxes/<sid>.mem/disk.img`). QEMU maps that RAM
+file shared, so guest memory writes land in the RAM upper layer as they
+happen; Firecracker writes guest memory into it when it saves state (see
+vmm/firecracker.py). A `VmmBackend` runs the VM, the store keeps snapshots,
+and a `Registry` keeps one record per sandbox on disk so any later process
+(the next CLI command, a restarted API service) can find and control it
+again. Every operation on a sandbox holds its file lock (`Registry.lock`)
+throughout, so processes and threads acting on one sandbox take turns.
 
-    snapshot = pause -> device state to a file -> seal the disk's upper layer
-               -> RAM file and state file imported as layers (RAM with the
-                  previous snapshot's RAM as parent, so only changed chunks
-                  are stored) -> snapshot manifest -> resume
-    restore  = new copy-on-write disk over the snapshot's disk layer, RAM
-               mapped copy-on-write from snapshots/<id>/memory on the mount
-               (paged in lazily), device state streamed from .../state
+    boot     = disk upper layer over the image, RAM upper layer over an
+               all-holes layer of the memory size, then the VM
+    snapshot = pause -> device state to workdir/state -> syncfs the mount
+               (dirty guest RAM pages reach the RAM upper layer) -> seal the
+               disk and RAM upper layers (each new layer holds only the
+               chunks dirtied since the last seal) -> state file imported as
+               a layer -> snapshot manifest (parent: the previous snapshot)
+               -> resume, if it was running
+    restore  = disk and RAM upper layers over the snapshot's disk and memory
+               layers (chunks fetched lazily as the VM touches them), device
+               state streamed from snapshots/<id>/state on the mount; a
+               restored sandbox snapshots incrementally like a booted one
+    suspend  = snapshot, then stop the VM and drop both upper layers (only
+               the record remains); wake = restore under the same id
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from layerstore.snapshot import Snapshot
 from layerstore.store import Store
 
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
-from .registry import Registry, SandboxRecord, new_sid
+from .registry import LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 
 log = logging.getLogger("strata.vmm")
 
@@ -63,8 +75,12 @@ class Sandbox:
 class Sandboxes:
     """Boot, pause, snapshot, restore, fork and kill the sandboxes of one node.
 
-    Safe to share between threads: operations on one sandbox are serialised,
-    different sandboxes proceed in parallel.
+    Safe to share between threads and to use from many processes at once (a
+    CLI command next to `strata serve`): every operation that touches a
+    sandbox's VM or record holds that sandbox's file lock (`Registry.lock`)
+    throughout, so operations on one sandbox are serialised node-wide and
+    different sandboxes proceed in parallel. One waits at most
+    `lock_timeout` seconds for another, then fails with Conflict ("busy").
     """
 
     def __init__(
@@ -76,6 +92,7 @@ class Sandboxes:
         guest_dir: Path,
         work_root: Path,
         memory_mib: int = 256,
+        lock_timeout: float = LOCK_TIMEOUT,
     ) -> None:
         self.store = store
         self.client = client  # the mount daemon: sandbox disks, seals, cache
@@ -84,17 +101,26 @@ class Sandboxes:
         self.guest_dir = guest_dir
         self.registry = Registry(work_root)
         self.memory_mib = memory_mib
+        self.lock_timeout = lock_timeout
         self._vms: dict[str, Vm] = {}
         self._boot_layers: dict[str, str] = {}
-        self._locks: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
+        self._held = threading.local()  # .sids: the sandbox locks the current thread holds
+        self._guard = threading.Lock()  # the boot-layer cache
 
     @contextmanager
     def _locked(self, sid: str) -> Iterator[None]:
-        with self._guard:
-            lock = self._locks.setdefault(sid, threading.Lock())
-        with lock:
+        """Hold sandbox `sid`'s lock (re-entrant per thread, so a locked
+        operation may call another: resume -> wake, suspend -> snapshot)."""
+        held: set[str] = self._held.__dict__.setdefault("sids", set())
+        if sid in held:
             yield
+            return
+        with self.registry.lock(sid, timeout=self.lock_timeout):
+            held.add(sid)
+            try:
+                yield
+            finally:
+                held.discard(sid)
 
     def _boot_layer(self, name: str) -> str:
         """Kernel and initrd as layers (imported once; identical bytes dedup)."""
@@ -105,23 +131,35 @@ class Sandboxes:
                 self._boot_layers[name] = import_image(self.store, self.guest_dir / name, ref).manifest_id
             return self._boot_layers[name]
 
-    def _claim(self, sid: str | None) -> str:
+    def _new_sid(self, sid: str | None) -> str:
         sid = sid or new_sid()
         if len(sid) > 60:  # the RAM layer is <sid>.mem, and mount names stop at 64
             raise InvalidInput(f"sandbox id {sid[:20]}... is longer than 60 characters")
-        if self.registry.exists(sid):
-            raise InvalidInput(f"sandbox {sid} already exists")
         return sid
 
+    def _claim(self, sid: str) -> None:
+        """Refuse an id in use; called under the sid's lock, so two processes
+        creating the same id cannot both pass."""
+        if self.registry.exists(sid):
+            raise InvalidInput(f"sandbox {sid} already exists")
+
     def get(self, sid: str) -> Sandbox:
-        """The sandbox `sid` with a live VM handle (attaching if another process started it)."""
+        """The sandbox `sid` with a live VM handle (attaching if another process
+        started it, or replaced its VM since: suspend and wake, kill and boot).
+
+        Takes no lock itself: the operations below call it under the
+        sandbox's lock; a caller using the handle directly (exec through
+        `vm.agent`) is not serialised with them.
+        """
         record = self.registry.load(sid)
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused to the store: resume it first")
         vm = self._vms.get(sid)
-        if vm is None or not vm.alive():
+        if vm is None or not vm.alive() or (record.pid is not None and vm.pid != record.pid):
             if record.backend != self.backend.name:
                 raise InvalidInput(f"sandbox {sid} runs on {record.backend}, this node uses {self.backend.name}")
+            if vm is not None:
+                vm.agent.close()  # a handle of a VM that is gone or not this sandbox's any more
             vm = self._vms[sid] = self.backend.attach(self.registry.workdir(sid))
         return Sandbox(record, vm, self.registry.workdir(sid))
 
@@ -178,14 +216,14 @@ class Sandboxes:
         returns once the guest agent answers."""
         ref = parse_ref(image)
         self.store.resolve(ref)  # unknown image: NotFound before anything is created
-        with self._guard:
-            sid = self._claim(sid)
+        sid = self._new_sid(sid)
+        with self._locked(sid):
+            self._claim(sid)
             memory = memory_mib or self.memory_mib
             record = SandboxRecord(sid, self.backend.name, f"image:{ref}", memory, metadata=dict(metadata or {}),
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
-        with self._locked(sid):
             return self._start(record, VmSpec(
                 kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
                 disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work, memory_mib=memory,
@@ -198,9 +236,10 @@ class Sandboxes:
 
     def resume(self, sid: str) -> Sandbox:
         """Continue the vCPUs, or wake a sandbox suspended to the store."""
-        if self.registry.load(sid).state == "suspended":
-            return self.wake(sid)
-        return self._set_vcpus(sid, "resume", "running")
+        with self._locked(sid):  # the state read and the action are one operation
+            if self.registry.load(sid).state == "suspended":
+                return self.wake(sid)
+            return self._set_vcpus(sid, "resume", "running")
 
     def _set_vcpus(self, sid: str, action: str, state: str) -> Sandbox:
         """vm.pause() or vm.resume(), timed, with the new state recorded."""
@@ -272,15 +311,15 @@ class Sandboxes:
         """A new sandbox started from a snapshot, its RAM and disk served lazily."""
         snap = self.store.get_snapshot(snapshot_id)
         self._check_complete(snapshot_id, snap)
-        with self._guard:
-            sid = self._claim(sid)
+        sid = self._new_sid(sid)
+        with self._locked(sid):
+            self._claim(sid)
             memory = int(snap.vm["memory_mib"])  # type: ignore[arg-type]
             record = SandboxRecord(sid, self.backend.name, f"snapshot:{snapshot_id}", memory,
                                    last_snapshot=snapshot_id, metadata=dict(metadata or {}),
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
-        with self._locked(sid):
             return self._start(record, self._restore_spec(snapshot_id, snap, work), {"manifest": snap.layers["disk"]},
                                snap.layers["memory"])
 
@@ -294,7 +333,7 @@ class Sandboxes:
             memory_file=self._memory_path(work.name), incoming=served / "state")
 
     def suspend(self, sid: str) -> str:
-        """Snapshot, then stop the VM and drop the upper layer: the sandbox
+        """Snapshot, then stop the VM and drop its upper layers: the sandbox
         keeps its id and record but costs the node no memory or disk until
         `wake`. Returns the snapshot id."""
         with self._locked(sid):
@@ -369,20 +408,21 @@ class Sandboxes:
         return forks
 
     def kill(self, sid: str) -> None:
-        """Stop the VM (even one nobody can attach to), drop the upper layer
-        (its sealed layers stay in the store when a snapshot names them) and
+        """Stop the VM (even one nobody can attach to), drop the upper layers
+        (their sealed layers stay in the store when a snapshot names them) and
         the work directory. Closing the disk and RAM files releases the
         mount's cache pins."""
         with self._locked(sid):
             self.registry.load(sid)  # NotFound for an unknown id
             self._stop(sid)
-            self.registry.remove(sid)
-        with self._guard:
-            self._locks.pop(sid, None)
+            self.registry.remove(sid)  # releasing the lock then removes its file too
 
     def _stop(self, sid: str) -> None:
-        """Stop the VM (if any) and remove the sandbox disk (if any)."""
+        """Stop the VM (if any) and remove the disk and RAM upper layers (if any)."""
         vm = self._vms.pop(sid, None)
+        if vm is not None and not vm.alive():  # died, or another process replaced it (suspend, wake)
+            vm.agent.close()
+            vm = None
         if vm is None and self.backend.is_running(self.registry.workdir(sid)):
             try:
                 vm = self.backend.attach(self.registry.workdir(sid))
