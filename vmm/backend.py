@@ -1,4 +1,4 @@
-"""The one interface every VMM backend implements (QEMU here, Firecracker later).
+"""The one interface every VMM backend implements (vmm/qemu.py, vmm/firecracker.py).
 
 The rest of Strata asks a backend to start a VM from a `VmSpec` and then
 drives the returned `Vm`: pause, resume, save its state, kill. Storage
@@ -33,11 +33,12 @@ class VmSpec:
     memory_mib: int = 256
     cpus: int = 1
     cmdline: str = DEFAULT_CMDLINE
-    incoming: Path | None = None  # device (+ memory) state to restore instead of booting
-    # Guest RAM as a file: snapshots then store RAM as a chunked layer and the
-    # state stream holds device state only. shared=True writes guest RAM into
-    # the file (a running sandbox); False maps it copy-on-write (a restore
-    # from a read-only, lazily fetched snapshot memory file).
+    incoming: Path | None = None  # device state to restore instead of booting
+    # Guest RAM as a file: the sandbox's RAM upper layer on the mount
+    # (sandboxes/<sid>.mem/disk.img), so a snapshot seals RAM as a chunked
+    # layer (only the chunks dirtied since the last one) and the state stream
+    # holds device state only. shared=True maps the file so guest writes
+    # reach it (every sandbox today); False maps it copy-on-write.
     memory_file: Path | None = None
     memory_shared: bool = True
     extra: tuple[str, ...] = field(default_factory=tuple)
@@ -45,10 +46,12 @@ class VmSpec:
 
 class Vm(Protocol):
     """A running (or paused) VM. Obligations:
-    - `agent` talks to the guest agent; `wait_ready` returned before `start` did;
+    - `agent` talks to the guest agent (any number of processes may, one
+      command at a time); `wait_ready` returned before `start` did;
     - `pause`/`resume` stop and continue the vCPUs;
-    - `save_state(path)` requires a paused VM and writes everything needed to
-      restore it (device state and memory) to `path`;
+    - `save_state(path)` requires a paused VM and writes its device state to
+      `path` (its memory is already in `VmSpec.memory_file`, which the caller
+      flushes and seals);
     - `alive` is False once the VM process is gone (crashed, killed);
     - `kill` stops the VM and frees its resources; calling it twice is fine.
     """
