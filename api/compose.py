@@ -20,18 +20,17 @@ vmm.cli.NodeContext), so none of them imports this module.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fusefs.client import DaemonError, MountClient, mount
-from fusefs.control import MountSettings
-from layerstore.chunk import DEFAULT_LEVEL
 from layerstore.cli import Output
 from layerstore.config import NodeConfig
 from layerstore.errors import InvalidInput
-from layerstore.reach import Name
-from layerstore.store import Store, open_store
-from vmm.backend import open_backend
-from vmm.registry import Registry
-from vmm.sandbox import Sandboxes
+
+if TYPE_CHECKING:  # each part's modules load when a command first asks for that part
+    from fusefs.client import MountClient
+    from layerstore.reach import Name
+    from layerstore.store import Store
+    from vmm.sandbox import Sandboxes
 
 
 class NodeContext:
@@ -46,16 +45,24 @@ class NodeContext:
         """The node's store (`spec` None), or another store (a push target, a
         pull source). Only the node's own store reads through peers and the
         remote: another store is opened bare."""
+        from layerstore.chunk import DEFAULT_LEVEL
+        from layerstore.store import open_store
+
         own = spec is None or spec == self.config.store
         return open_store(spec or self.config.store, level=level or DEFAULT_LEVEL,
                           **self.config.store_options(own=own))
 
     def mount_client(self, mountpoint: Path | None = None) -> MountClient:
         """The control client of the daemon serving `mountpoint` (default: the node's mount)."""
+        from fusefs.client import MountClient
+
         return MountClient(mountpoint or self.config.mount, run_dir=self.config.run_dir)
 
     def node_roots(self, store: Store) -> list[Name]:
         """The layers this node's sandbox disks sit on, if its mount serves `store`."""
+        from fusefs.client import DaemonError
+        from layerstore.reach import Name
+
         client = self.mount_client()
         try:
             if client.ping().store != store.describe():
@@ -65,10 +72,15 @@ class NodeContext:
             return []
 
     def node_snapshot_users(self) -> dict[str, list[str]]:
+        from vmm.registry import Registry
+
         return Registry(self.config.state_dir / "sandboxes").snapshot_users()
 
     def sandboxes(self) -> Sandboxes:
         """The node's sandboxes (the mount is started if none serves yet)."""
+        from vmm.backend import open_backend
+        from vmm.sandbox import Sandboxes
+
         if self._sandboxes is None:
             store = self.open_store()
             client = ensure_mount(self.config, store.describe(), self.out)
@@ -98,6 +110,9 @@ def ensure_mount(config: NodeConfig, wanted: str, out: Output) -> MountClient:
     """The client of the daemon serving the node's mount, started on `config`
     if none answers; refuses a mount that serves another store than `wanted`
     (sandboxes would mix two)."""
+    from fusefs.client import DaemonError, MountClient, mount
+    from fusefs.control import MountSettings
+
     client = MountClient(config.mount, run_dir=config.run_dir)
     try:
         served = client.ping().store

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from layerstore.cli import StoreContext, human_bytes, parse_size
 from layerstore.errors import InvalidInput
 
-from .protocol import DaemonError
-
 if TYPE_CHECKING:
     from .client import MountClient
 
@@ -90,6 +88,8 @@ def cmd_cache_stats(args: argparse.Namespace, ctx: MountContext) -> int:
 
 def _live_stats(ctx: MountContext, *, required: bool) -> dict[str, Any] | None:
     """The daemon's counters; None when no daemon answers and none was asked for by name."""
+    from .protocol import DaemonError
+
     try:
         reply = ctx.mount_client().stats()
     except DaemonError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,18 @@ def _plain(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+_SID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_sid(sid: str) -> str:
+    """Sandbox ids become directory names (upper layers, mount paths, VM work
+    dirs): a strict alphabet, no path tricks. Here, in the light module, so
+    the VMM's records check ids without loading the filesystem."""
+    if not isinstance(sid, str) or not _SID_RE.fullmatch(sid):
+        raise InvalidInput(f"invalid sandbox id {sid!r}: letters, digits, '.', '_', '-', at most 64")
+    return sid
 
 
 def control_socket(mountpoint: str | os.PathLike[str], run_dir: Path) -> Path:

@@ -37,13 +37,13 @@ from layerstore.refs import Ref, parse_ref
 from layerstore.store import Store, open_store
 
 from .cache import ChunkCache
-from .control import MountSettings, check_mountpoint, control_socket
+from .control import MountSettings, check_mountpoint, check_sid, control_socket
 from .fetch import ChunkFetcher
 from .fs import StrataFS
 from .protocol import (MAX_LINE, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved, Handlers,
                        ListDisks, MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, RecordPrefetch, RemoveDisk,
                        Seal, Sealed, SealState, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, answer, encode_error)
-from .upper import SealTicket, UpperLayer, check_sid
+from .upper import SealTicket, UpperLayer
 from .view import LayerView
 
 log = logging.getLogger("strata.fusefs")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 import uuid
@@ -43,16 +42,6 @@ from typing import Callable
 from layerstore.errors import InvalidInput, NotFound, StrataError
 
 from .view import LayerView, chunk_spans
-
-_SID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def check_sid(sid: str) -> str:
-    """Sandbox ids become directory names: a strict alphabet, no path tricks."""
-    if not isinstance(sid, str) or not _SID_RE.fullmatch(sid):
-        raise InvalidInput(f"invalid sandbox id {sid!r}: letters, digits, '.', '_', '-', at most 64")
-    return sid
-
 
 class RWLock:
     """Many readers/writers of data (shared) or one seal switch (exclusive)."""

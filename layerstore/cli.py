@@ -21,13 +21,15 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from .chunk import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL
 from .config import NodeConfig, parse_bytes
 from .errors import InvalidInput, StrataError
-from .reach import Name
-from .store import Store, inspect_image
+
+if TYPE_CHECKING:  # the store's modules load when a command opens one: `strata --help` stays quick
+    from .reach import Name
+    from .store import Store
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -192,6 +194,8 @@ def cmd_image_ls(args: argparse.Namespace, ctx: StoreContext) -> int:
 
 def cmd_image_inspect(args: argparse.Namespace, ctx: StoreContext) -> int:
     out = ctx.out
+    from .store import inspect_image
+
     with _store(args, ctx) as store:
         info = inspect_image(store, args.ref)
     data = info.as_dict()

@@ -9,7 +9,8 @@ import pytest
 
 from fusefs.cache import ChunkCache
 from fusefs.fetch import ChunkFetcher
-from fusefs.upper import UpperLayer, check_sid
+from fusefs.control import check_sid
+from fusefs.upper import UpperLayer
 from fusefs.view import LayerView
 from layerstore.errors import InvalidInput
 from layerstore.exporter import export_image

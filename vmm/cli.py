@@ -15,14 +15,17 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fusefs.cli import mount_option
 from layerstore.cli import StoreContext, human_bytes
 from layerstore.errors import InvalidInput, StrataError
 
 from .backend import BACKENDS
-from .sandbox import MAX_FORKS, Sandbox, Sandboxes
+from .registry import MAX_FORKS
+
+if TYPE_CHECKING:  # loads the store's modules: only when a command runs
+    from .sandbox import Sandbox, Sandboxes
 
 GUEST_BUILD = Path(__file__).resolve().parent / "guest" / "build.sh"
 DEMO_IMAGE = "strata-guest:demo"

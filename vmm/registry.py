@@ -35,10 +35,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from fusefs.upper import check_sid
+from fusefs.control import check_sid
 from layerstore.errors import Conflict, CorruptObject, NotFound
 
 RECORD = "sandbox.json"
+MAX_FORKS = 100  # sandboxes one fork request may make (here, not in sandbox.py, so the CLI's help needs no store)
 LOCKS = ".locks"
 # How long an operation waits for another one on the same sandbox. Long
 # enough for a pause or a small snapshot, short enough that a CLI command

@@ -48,11 +48,10 @@ from layerstore.snapshot import Snapshot
 from layerstore.store import Store
 
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
-from .registry import LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
+from .registry import MAX_FORKS, LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 
 log = logging.getLogger("strata.vmm")
 
-MAX_FORKS = 100
 
 
 @dataclass
