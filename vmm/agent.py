@@ -7,22 +7,13 @@ dropped, so `wait_ready` resends PING until a PONG arrives, and `run` on a
 connection that has not seen a PONG yet (a new process attaching to a running
 VM) does that first; replies to ids we are not waiting for (from an earlier
 connection) are skipped.
-
-QEMU's chardev socket serves one client at a time, so an agent that stayed
-connected would lock every other process out of the guest (the CLI while
-`strata serve` holds a handle). `run` therefore connects for each command
-and hangs up after (`per_call`); ids carry a random per-handle prefix so a
-late reply meant for another process's command is never taken for ours.
-Commands through one handle run one at a time.
 """
 
 from __future__ import annotations
 
 import base64
 import itertools
-import secrets
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,16 +32,12 @@ class RunResult:
 
 
 class Agent:
-    per_call = True  # hang up after each command (see the module docstring)
-
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         self._sock: socket.socket | None = None
         self._buf = b""
-        self._prefix = secrets.token_hex(4)
         self._ids = itertools.count(1)
         self._synced = False  # a PONG arrived on the current connection
-        self._one = threading.Lock()  # one command at a time through this handle
 
     def _connect(self, deadline: float) -> socket.socket:
         while self._sock is None:
@@ -95,7 +82,7 @@ class Agent:
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
-            token = f"p{self._prefix}{next(self._ids)}"
+            token = f"p{next(self._ids)}"
             self._send(f"PING {token}\n", deadline)
             until = min(deadline, time.monotonic() + 0.25)
             while True:
@@ -109,17 +96,9 @@ class Agent:
 
     def run(self, command: str, *, timeout: float = 60.0) -> RunResult:
         """Run `sh -c command` in the guest; output is stdout and stderr together."""
-        with self._one:
-            try:
-                return self._run(command, timeout)
-            finally:
-                if self.per_call:
-                    self.close()
-
-    def _run(self, command: str, timeout: float) -> RunResult:
         if not self._synced:
             self.wait_ready(timeout)
-        token = f"r{self._prefix}{next(self._ids)}"
+        token = f"r{next(self._ids)}"
         deadline = time.monotonic() + timeout
         payload = base64.b64encode(command.encode()).decode()
         self._send(f"RUN {token} {payload}\n", deadline)

@@ -461,8 +461,6 @@ class SerialAgent(Agent):
     id matching, base64) in one place.
     """
 
-    per_call = False  # the serial port's lock marks which process drives the guest: kept while attached
-
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir / SERIAL_OUT)
         self.workdir = workdir

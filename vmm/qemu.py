@@ -218,8 +218,7 @@ class QemuBackend:
                     raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
                 raise
             (spec.workdir / "vm.json").write_text(json.dumps({"pid": proc.pid, "ram_in_file": spec.memory_file is not None}))
-            qmp.close()  # the VM's handle connects per call,
-            agent.close()  # and so does its agent (QEMU serves one client on each)
+            qmp.close()  # the VM's handle connects per call
             return QemuVm(proc.pid, spec.workdir, agent, ram_in_file=spec.memory_file is not None, proc=proc)
         except BaseException as exc:
             if proc.poll() is None:
