@@ -231,6 +231,7 @@ class _Chunker:
                 for digest in self.store.local_missing_chunks(fresh) if fresh else set():
                     self.inflight.acquire()
                     put_pool.submit(self.upload, digest, *fresh[digest])
+                del fresh  # the uploads hold what they need: the next window must not keep this one alive
                 if progress:
                     progress(_span_bytes(part, self.size, self.chunk_size))
         if self.errors:
