@@ -359,7 +359,7 @@ def report(med: dict[str, float], repeat: int, big: str) -> list[str]:
     print(f"\nSeal while writing ({g('seal.done'):.0f} done, {g('seal.busy'):.0f} refused as busy, "
           f"{g('seal.failed'):.0f} failed): switch_ms p50 {g('seal.switch_p50_ms'):.1f} p99 "
           f"{g('seal.switch_p99_ms'):.1f} | CLI wall ms p50 {g('seal.cli_p50_ms'):.0f} p99 "
-          f"{g('seal.cli_p99_ms'):.0f} (idle `layer ls`: {g('seal.cli_idle_floor_ms'):.0f})\n"
+          f"{g('seal.cli_p99_ms'):.0f} (idle `disk ls`: {g('seal.cli_idle_floor_ms'):.0f})\n"
           f"  dirty chunks p50 {g('seal.dirty_chunks_p50'):.0f} | writer {g('seal.writer_MBps'):.0f} MB/s, "
           f"{g('seal.writer_errors'):.0f} errors | drain (seal --wait until all published) {g('seal.drain_ms'):.0f} ms")
     for mo, _ in MODES:
