@@ -12,12 +12,16 @@ upper.py. Blocking work (disk, network) runs in worker threads via
 `trio.to_thread`, so one slow fetch never stalls other requests. Errors map
 to errno: unknown names ENOENT, writes to read-only files EROFS (or EACCES
 from the mode bits), corrupt or unreachable chunks EIO (logged with the
-digest), writes past the end EFBIG.
+digest), writes past the end EFBIG. Anything else a handler raises (a store
+that fails in a way nobody foresaw, a bug) is EIO for that one request, with
+a log line naming the operation and path: pyfuse3 would otherwise end the
+whole daemon, and with it every sandbox's disk and RAM (`contained`).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -26,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import pyfuse3
 import trio
@@ -81,6 +85,34 @@ class Handle:
     pin_owner: object = None
 
 
+def contained(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """`operation` with every error that is not a FUSEError turned into EIO
+    for this request alone, logged with the operation and path."""
+
+    @functools.wraps(operation)
+    async def handler(self: StrataFS, *args: Any) -> Any:
+        try:
+            return await operation(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("%s %s failed; answering EIO", operation.__name__, self.describe_request(args))
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return handler
+
+
+
+def contain(cls: type[pyfuse3.Operations]) -> type[pyfuse3.Operations]:
+    """Wrap every pyfuse3 operation `cls` implements in `contained`."""
+    for name, value in list(vars(cls).items()):
+        if name in vars(pyfuse3.Operations) and callable(value):
+            setattr(cls, name, contained(value))
+    return cls
+
+
+
+@contain
 class StrataFS(pyfuse3.Operations):
     """pyfuse3 operations over a `Catalogue` of images and sandboxes (see daemon.py)."""
 
@@ -436,8 +468,20 @@ class StrataFS(pyfuse3.Operations):
             node = self._nodes.get(node.parent) or self._nodes[pyfuse3.ROOT_INODE]
         return "/" + "/".join(reversed(parts))
 
+    def describe_request(self, args: tuple[Any, ...]) -> str:
+        """The path a request is about, as well as it can be told from its first
+        arguments (an inode, or a parent inode and a name), for the log."""
+        node = self._nodes.get(args[0]) if args and isinstance(args[0], int) else None
+        if node is None and args and isinstance(args[0], int) and args[0] in self._handles:
+            node = self._handles[args[0]].node
+        path = self._path(node) if node is not None else "?"
+        if len(args) > 1 and isinstance(args[1], bytes):
+            path = path.rstrip("/") + "/" + args[1].decode("utf-8", "replace")
+        return path
+
     def open_handles(self) -> int:
         return len(self._handles)
 
     def shutdown(self) -> None:
         self.readahead.shutdown(wait=False, cancel_futures=True)
+

@@ -347,3 +347,18 @@ def test_the_daemon_serves_the_config_file_and_environment(tmp_path: Path) -> No
     finally:
         run(["umount"], node)
         subprocess.run(["fusermount3", "-u", "-z", str(tmp_path / "mnt")], capture_output=True)
+
+
+def test_a_failing_lookup_answers_eio_and_the_daemon_lives(mount: Mount) -> None:
+    """A lookup the store cannot answer (here: a ref key that is a directory,
+    so the backend fails with a BackendError, not NotFound) is EIO for that
+    request only; the daemon keeps serving everything else."""
+    content = write_image(mount.tmp / "a.img", "rp")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "ok:v1")
+    (mount.tmp / "store" / "objects" / "refs" / "crash" / "me").mkdir(parents=True)
+    mount.start()
+    with pytest.raises(OSError) as caught:
+        os.stat(mount.mnt / "images" / "crash:me")
+    assert caught.value.errno == errno.EIO
+    assert mount.image("ok:v1").read_bytes() == content  # still serving
+    assert mount.client.ping().pid == mount.pid
