@@ -266,8 +266,25 @@ class Sandboxes:
         record = sandbox.record
         if resume is None:
             resume = record.state == "running"
-        t0 = time.monotonic()
         sandbox.vm.pause()
+        try:
+            snapshot_id, timings = self._capture(sandbox)
+        except BaseException:
+            self._after_failed_snapshot(sandbox, resume)
+            raise
+        record.last_snapshot = snapshot_id
+        if resume:
+            sandbox.vm.resume()
+        record.state = "running" if resume else "paused"
+        record.timings.update(timings)
+        self.registry.save(record)
+        return snapshot_id
+
+    def _capture(self, sandbox: Sandbox) -> tuple[str, dict[str, float]]:
+        """Snapshot a paused sandbox: device state, dirty RAM and disk chunks
+        sealed, the snapshot published. Returns its id and the step timings."""
+        sid, record = sandbox.sid, sandbox.record
+        t0 = time.monotonic()
         state = sandbox.workdir / "state"
         sandbox.vm.save_state(state)
         self._flush_mount()  # guest RAM pages dirty in the page cache reach the upper layer first
@@ -284,14 +301,22 @@ class Sandboxes:
             annotations={"sandbox": sid},
         )
         snapshot_id = self.store.put_snapshot(snap)
-        t3 = time.monotonic()
-        record.last_snapshot = snapshot_id
+        return snapshot_id, {"capture": t1 - t0, "seal": t2 - t1, "publish": time.monotonic() - t2}
+
+    def _after_failed_snapshot(self, sandbox: Sandbox, resume: bool) -> None:
+        """A snapshot failed after the pause: give the guest its vCPUs back if
+        it was running, and record what it really is, so the record never says
+        running about a VM left paused (the snapshot's error still propagates)."""
+        record = sandbox.record
+        record.state = "paused"
         if resume:
-            sandbox.vm.resume()
-        record.state = "running" if resume else "paused"
-        record.timings.update({"capture": t1 - t0, "seal": t2 - t1, "publish": t3 - t2})
+            try:
+                sandbox.vm.resume()
+                record.state = "running"
+            except StrataError as exc:
+                log.error("sandbox %s: resuming after a failed snapshot: %s", sandbox.sid, exc)
+        log.error("sandbox %s: snapshot failed; the sandbox is %s", sandbox.sid, record.state)
         self.registry.save(record)
-        return snapshot_id
 
     def _existing_snapshot(self, snapshot_id: str | None) -> str | None:
         """The parent pointer of a new snapshot: the previous one, unless it was

@@ -1,0 +1,41 @@
+"""vmm/sandbox.py without a VM: what `Sandboxes` does when a step fails.
+(Real QEMU guests go through the same code in test_vmm_qemu.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from layerstore.errors import BackendUnavailable
+from tests.test_vmm_lock import FakeVm, fake_node
+from vmm.registry import LOCKS
+
+
+class SavingVm(FakeVm):
+    def save_state(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"device state")
+
+
+def failing_seal(sid: str, *, wait: bool = False) -> None:
+    raise BackendUnavailable("the object store did not answer")
+
+
+@pytest.mark.parametrize("paused_before", [False, True])
+def test_a_failed_snapshot_leaves_the_vm_as_it_was_and_the_record_true(tmp_path: Path, paused_before: bool) -> None:
+    boxes, backend = fake_node(tmp_path)
+    (tmp_path / "mnt").mkdir()
+    vm = backend.vms["box"] = SavingVm(tmp_path / "work" / LOCKS / "box", 4242)
+    boxes.client.seal = failing_seal  # type: ignore[attr-defined]
+    if paused_before:
+        boxes.pause("box")
+        vm.calls.clear()
+    with pytest.raises(BackendUnavailable, match="did not answer"):
+        boxes.snapshot("box")
+    record = boxes.registry.load("box")
+    if paused_before:  # stays paused, as the record says
+        assert vm.calls == ["pause"] and record.state == "paused"
+    else:  # the guest gets its vCPUs back, and the record says running
+        assert vm.calls == ["pause", "resume"] and record.state == "running"
+    assert record.last_snapshot is None
