@@ -62,11 +62,17 @@ from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot
 from .templates import Template, parse_template, template_key
 
 PREFETCH_PREFIX = "prefetch/"
+PARTIAL_PREFIX = "partial/"  # a manifest published by a manifests-only pull: some chunks it names are elsewhere
 
 
 def _prefetch_key(manifest_id: str) -> str:
     check_digest(manifest_id, what="manifest id")
     return f"{PREFETCH_PREFIX}{manifest_id}"
+
+
+def _partial_key(manifest_id: str) -> str:
+    check_digest(manifest_id, what="manifest id")
+    return f"{PARTIAL_PREFIX}{manifest_id}"
 
 
 def verify_chunk_object(key: str, blob: bytes) -> None:
@@ -213,7 +219,8 @@ class Store:
         blob = layer.encode()
         manifest_id = layer.manifest_id()
         digests = {d for d in layer.chunks.values() if d is not None}
-        missing = self.missing_chunks(digests) if read_through else self.local_missing_chunks(digests)
+        elsewhere = self.local_missing_chunks(digests)
+        missing = self.missing_chunks(elsewhere) if read_through else elsewhere
         if missing:
             example = sorted(missing)[0]
             where = self.describe_read_path() if read_through else self.describe()
@@ -223,9 +230,21 @@ class Store:
             )
         if layer.parent is not None and self.backend.stat(manifest_key(layer.parent)) is None:
             raise NotFound(f"refusing to publish manifest {manifest_id}: parent manifest {layer.parent} is missing")
+        if elsewhere:  # before the manifest: a full copy later must not take this layer for complete
+            self.backend.put(_partial_key(manifest_id), json.dumps({"missing": len(elsewhere)}).encode())
         self.backend.put(manifest_key(manifest_id), blob)
         self.catalog.put_manifest(manifest_id, blob)
         return manifest_id
+
+    def partial_layers(self, manifest_ids: Iterable[str]) -> set[str]:
+        """Those of `manifest_ids` published by a manifests-only pull whose chunks
+        this store has not all received since (`put_layer`, `complete_layer`)."""
+        wanted = {_partial_key(m): m for m in manifest_ids}
+        return {wanted[k] for k in self.backend.has_many(wanted)} if wanted else set()
+
+    def complete_layer(self, manifest_id: str) -> None:
+        """Record that every chunk of a partially pulled layer is now in this store."""
+        self.backend.delete(_partial_key(manifest_id))
 
     # snapshots ----------------------------------------------------------------
     def put_snapshot(self, snap: Snapshot) -> str:

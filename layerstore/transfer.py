@@ -76,12 +76,14 @@ def copy(
     with Lease(dst.backend, f"copy {name} from {src.describe()}"):
         sent = sent_bytes = 0
         published_layers = {m for m in closure.layers if dst.has_layer(m)}
+        partial = dst.partial_layers(published_layers) if chunks else set()
         if chunks and published_layers:
-            # A manifest is only ever published after its chunks, and GC deletes manifests before
-            # chunks and nothing while our lease lives: the chunks of layers the destination already
-            # has are there. Only the new layers' chunks need an existence check (an incremental
-            # push asks about the changed chunks, not the whole image).
-            wanted = {d for m in closure.layers if m not in published_layers
+            # A manifest is only ever published after its chunks (a manifests-only pull's are marked
+            # partial), and GC deletes manifests before chunks and nothing while our lease lives: the
+            # chunks of the complete layers the destination has are there. Only the other layers'
+            # chunks need an existence check (an incremental push asks about the changed chunks).
+            complete = published_layers - partial
+            wanted = {d for m in closure.layers if m not in complete
                       for d in src.get_layer(m).chunks.values() if d is not None}
         if chunks or prefetch:
             missing = sorted(dst.local_missing_chunks(wanted))
@@ -110,6 +112,8 @@ def copy(
         snapshots = [s for s in closure.snapshots if not dst.has_snapshot(s)]
         for snapshot_id in snapshots:
             dst.put_snapshot(src.get_snapshot(snapshot_id))
+        for layer_id in partial:  # every chunk it names is here now
+            dst.complete_layer(layer_id)
         for layer_id, indices in prefetch_lists.items():
             dst.put_prefetch(layer_id, indices)
         if isinstance(published, Template):

@@ -217,3 +217,22 @@ def test_credentials_revoked_mid_push(src: Store, tmp_path: Path, seaweed) -> No
     assert copy(src, good, "rev:v1").chunks_sent == 4  # the 2 that made it are not sent again
     assert not verify_store(good).errors
     good.close()
+
+
+def test_full_pull_completes_a_lazy_pull(src: Store, tmp_path: Path) -> None:
+    """A manifests-only pull marks its layers partial; a later `pull --full`
+    copies their chunks (it used to take the published manifests for
+    complete and send nothing), then clears the mark."""
+    write_image(tmp_path / "a.img", "rzp", seed=5)
+    import_image(src, tmp_path / "a.img", "lazy:v1")
+    remote = LocalDirBackend(tmp_path / "src" / "objects", create=False)
+    node = local_store(tmp_path / "node", remote=remote)
+    assert copy(src, node, "lazy:v1", chunks=False).chunks_sent == 0
+    manifest = node.resolve("lazy:v1")
+    assert node.partial_layers([manifest]) == {manifest}
+    full = copy(src, node, "lazy:v1")
+    assert full.chunks_sent == full.chunks_total == 2
+    digests = {d for d in node.get_layer(manifest).chunks.values() if d is not None}
+    assert node.local_missing_chunks(digests) == set() and node.partial_layers([manifest]) == set()
+    assert copy(src, node, "lazy:v1").chunks_sent == 0  # complete now: nothing more to send
+    node.close()
