@@ -22,10 +22,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.routing import APIRoute
 
 from . import errors
+from .deps import KEY_HEADER, key_matches
 from .node import Node
 from .routes import ROUTERS
 
 TITLE = "Strata node API"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # metric labels; others: "other"
+OPEN = frozenset({("GET", "/health"), ("HEAD", "/health")})  # what answers without a key
 DESCRIPTION = "E2B-compatible sandbox lifecycle plus Strata's images, snapshots, templates and cache."
 
 
@@ -44,9 +47,22 @@ async def _timing(request: Request, call_next: Callable[[Request], Awaitable[Res
     response = await call_next(request)
     route = request.scope.get("route")
     path = route.path if isinstance(route, APIRoute) else "other"
-    request.app.state.node.metrics.requests.labels(request.method, path, str(response.status_code)).observe(
+    method = request.method if request.method in METHODS else "other"  # a fixed label set, whatever clients send
+    request.app.state.node.metrics.requests.labels(method, path, str(response.status_code)).observe(
         time.monotonic() - started)
     return response
+
+
+async def _key_first(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """Refuse a request without a valid key before anything reads its body:
+    an anonymous client gets 401, never a parse error, and cannot make the
+    node buffer what it sends. (The routes' own dependencies check again,
+    and tell admin keys apart.)"""
+    if (request.method, request.url.path) not in OPEN:
+        given = request.headers.get(KEY_HEADER.model.name)
+        if not key_matches(given, request.app.state.node.config.api_keys):
+            return errors.error_response(401, "missing or invalid X-API-Key")
+    return await call_next(request)
 
 
 def create_app(node: Node | None = None) -> FastAPI:
@@ -55,7 +71,8 @@ def create_app(node: Node | None = None) -> FastAPI:
                   responses=errors.DOCUMENTED, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.node = node
     errors.install(app)
-    app.middleware("http")(_timing)
+    app.middleware("http")(_key_first)
+    app.middleware("http")(_timing)  # added last: outermost, so refused requests are counted too
     for router in ROUTERS:
         app.include_router(router)
     return app

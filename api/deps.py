@@ -28,7 +28,7 @@ async def get_node(request: Request) -> Node:
 NodeDep = Annotated[Node, Depends(get_node)]
 
 
-def _match(given: str | None, keys: tuple[str, ...]) -> bool:
+def key_matches(given: str | None, keys: tuple[str, ...]) -> bool:
     # compare against every key, constant-time each, so timing reveals nothing
     ok = False
     for key in keys:
@@ -38,14 +38,14 @@ def _match(given: str | None, keys: tuple[str, ...]) -> bool:
 
 async def api_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> None:
     """Every route but /health: any API key (admin keys are API keys too)."""
-    if not _match(key, node.config.api_keys):
+    if not key_matches(key, node.config.api_keys):
         raise HTTPException(401, "missing or invalid X-API-Key")
 
 
 async def admin_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> None:
     """/admin/*: an admin key; a plain API key is known but not allowed (403)."""
-    if not _match(key, node.config.admin_keys):
-        raise HTTPException(401 if not _match(key, node.config.api_keys) else 403, "an admin key is required")
+    if not key_matches(key, node.config.admin_keys):
+        raise HTTPException(401 if not key_matches(key, node.config.api_keys) else 403, "an admin key is required")
 
 
 AUTH = (Depends(api_key),)

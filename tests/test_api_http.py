@@ -45,6 +45,11 @@ class StandIn:
     def kill(self, sid: str) -> None:
         raise NotFound(f"sandbox {sid} not found")
 
+    def health(self):  # noqa: ANN201
+        from api import models as m
+
+        return m.Health(status="ok", store="s3://bucket/secret-prefix", mount=True, sandboxes=3)
+
     def list_sandboxes_page(self, *, limit: int, token: str | None, **_: object) -> tuple[list, str | None]:
         from api import listing, models as m
 
@@ -85,3 +90,28 @@ def test_pages(client: TestClient) -> None:
     rest = client.get("/v2/sandboxes", params={"limit": 2, "nextToken": first.headers["X-Next-Token"]})
     assert [s["sandboxID"] for s in rest.json()] == ["sb0"] and "X-Next-Token" not in rest.headers
     assert client.get("/v2/sandboxes", params={"nextToken": "abc"}).status_code == 400
+
+
+def test_no_key_is_401_before_the_body_is_read(client: TestClient) -> None:
+    """An anonymous request is refused before parsing: malformed JSON without a
+    key is 401 (it was 400), and a body is never buffered for it."""
+    anonymous = {"X-API-Key": ""}
+    r = client.post("/sandboxes", content=b"{not json", headers={**anonymous, "Content-Type": "application/json"})
+    assert r.status_code == 401 and r.json() == {"code": 401, "message": "missing or invalid X-API-Key"}
+    r = client.put("/images/big:v1", content=b"x" * (1 << 20), headers=anonymous)
+    assert r.status_code == 401
+    r = client.post("/sandboxes", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400  # with a key: the body is read, and it is malformed
+
+
+def test_health_without_a_key_shows_status_only(client: TestClient) -> None:
+    r = client.get("/health", headers={"X-API-Key": ""})
+    assert r.status_code == 200 and r.json() == {"status": "ok"}  # not the store's name
+    assert client.get("/health").json()["store"] == "s3://bucket/secret-prefix"
+
+
+def test_metrics_label_only_known_methods(client: TestClient) -> None:
+    for i in range(20):
+        client.request(f"BREW{i}", "/v2/sandboxes")
+    rendered = client.get("/metrics").text
+    assert "BREW" not in rendered and 'method="other"' in rendered

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import models as m
-from ..deps import AUTH, NodeDep
+from ..deps import AUTH, KEY_HEADER, NodeDep, key_matches
 
 router = APIRouter(tags=["node"])
 cache_router = APIRouter(tags=["cache"], dependencies=AUTH)
@@ -18,10 +18,12 @@ def openapi(request: Request) -> dict:
     return request.app.openapi()
 
 
-@router.get("/health", response_model=m.Health, responses={503: {"model": m.Health}})
-def health(node: NodeDep) -> JSONResponse:
+@router.get("/health", response_model=m.Health, responses={503: {"model": m.Health}},
+            description="Open to all; without a valid X-API-Key only `status` is shown (not what the node serves).")
+def health(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> JSONResponse:
     body = node.health()
-    return JSONResponse(body.model_dump(), status_code=200 if body.mount else 503)
+    shown = body.model_dump() if key_matches(key, node.config.api_keys) else {"status": body.status}
+    return JSONResponse(shown, status_code=200 if body.mount else 503)
 
 
 @router.get("/metrics", dependencies=AUTH, response_class=PlainTextResponse,
