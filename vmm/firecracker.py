@@ -96,6 +96,7 @@ from layerstore.errors import StrataError
 from .accel import Accel, detect
 from .agent import Agent, AgentError
 from .backend import VmmError, VmSpec
+from .durable import write_durably
 from .process import kill_group, owns, wait_gone
 
 log = logging.getLogger("strata.vmm")
@@ -705,8 +706,9 @@ class FirecrackerBackend:
             os.close(stdout)
         api = FirecrackerApi(Path(os.path.abspath(work)) / API_SOCK, timeout=30.0)
         memory_out = self._memory_out(spec)
-        (work / VM_JSON).write_text(json.dumps({"pid": proc.pid, "api_sock": str(api.socket_path),
-                                                "memory_out": memory_out and str(memory_out), "pci": self.pci}))
+        write_durably(work / VM_JSON, json.dumps({"pid": proc.pid, "api_sock": str(api.socket_path),
+                                                  "memory_out": memory_out and str(memory_out),
+                                                  "pci": self.pci}).encode())
         agent = None
         try:
             self._wait_api(proc, api)

@@ -44,6 +44,7 @@ from layerstore.errors import StrataError
 from .accel import Accel, detect
 from .agent import Agent
 from .backend import VmmError, VmSpec
+from .durable import write_durably
 from .process import kill_group, owns, wait_gone
 from .qmp import QMP
 
@@ -217,7 +218,8 @@ class QemuBackend:
                 if proc.poll() is not None:
                     raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
                 raise
-            (spec.workdir / "vm.json").write_text(json.dumps({"pid": proc.pid, "ram_in_file": spec.memory_file is not None}))
+            write_durably(spec.workdir / "vm.json",
+                          json.dumps({"pid": proc.pid, "ram_in_file": spec.memory_file is not None}).encode())
             qmp.close()  # the VM's handle connects per call
             return QemuVm(proc.pid, spec.workdir, agent, ram_in_file=spec.memory_file is not None, proc=proc)
         except BaseException as exc:

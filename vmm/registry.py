@@ -38,6 +38,8 @@ from pathlib import Path
 from fusefs.control import check_sid
 from layerstore.errors import Conflict, CorruptObject, NotFound
 
+from .durable import fsync_dir, write_durably
+
 RECORD = "sandbox.json"
 MAX_FORKS = 100  # sandboxes one fork request may make (here, not in sandbox.py, so the CLI's help needs no store)
 LOCKS = ".locks"
@@ -90,26 +92,14 @@ class Registry:
         return (self.workdir(sid) / RECORD).exists()
 
     def save(self, record: SandboxRecord) -> None:
-        """Write the record atomically and durably: a unique temp file (two
-        writers never share one), fsynced, renamed over the old record, then
-        the directory fsynced so the rename itself survives a crash."""
+        """Write the record atomically and durably (`write_durably`); a new
+        work directory is made durable in the work root too."""
         work = self.workdir(record.sid)
         new_dir = not work.exists()
         work.mkdir(parents=True, exist_ok=True)
-        tmp = work / f".{RECORD}.{secrets.token_hex(4)}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps(asdict(record), indent=1, sort_keys=True).encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, work / RECORD)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(work)
+        write_durably(work / RECORD, json.dumps(asdict(record), indent=1, sort_keys=True).encode())
         if new_dir:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
 
     def load(self, sid: str) -> SandboxRecord:
         try:
@@ -184,14 +174,6 @@ def _record(data: dict) -> SandboxRecord:
     """A record from its JSON, ignoring fields an older or newer Strata wrote."""
     known = {f.name for f in fields(SandboxRecord)}
     return SandboxRecord(**{k: v for k, v in data.items() if k in known})
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _open_lock(path: Path) -> int:
