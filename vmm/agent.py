@@ -110,11 +110,16 @@ class Agent:
             parts = line.split(" ", 2)
             if len(parts) < 2 or parts[1] != token:
                 continue
-            if parts[0] == "OUT":
-                output = base64.b64decode(parts[2] if len(parts) > 2 else "").decode("utf-8", "replace")
-            elif parts[0] == "EXIT":
-                return RunResult(int(parts[2]), output or "")
-            elif parts[0] == "ERR":
+            try:
+                if parts[0] == "OUT":
+                    output = base64.b64decode(parts[2] if len(parts) > 2 else "", validate=True).decode(
+                        "utf-8", "replace")
+                elif parts[0] == "EXIT":
+                    return RunResult(int(parts[2]), output or "")
+            except (ValueError, IndexError):  # bad base64, a code that is not a number, a missing field
+                self.close()  # what follows on this connection cannot be trusted: resync on the next command
+                raise AgentError(f"guest agent sent a malformed reply: {line[:80]!r}") from None
+            if parts[0] == "ERR":
                 raise AgentError(f"guest agent refused the command: {line}")
 
     def close(self) -> None:
