@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .digest import is_digest
 from .errors import Conflict, NotFound, StrataError
 from .store import Store
 
@@ -49,7 +50,7 @@ class SnapshotDetail:
 
 def check_snapshot_id(text: str) -> str:
     """A snapshot id from a user: 64 lowercase hex digits, else NotFound (ids that cannot exist are unknown)."""
-    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+    if not is_digest(text):
         raise NotFound(f"snapshot {text!r} not found")
     return text
 
