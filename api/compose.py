@@ -111,13 +111,13 @@ def ensure_mount(config: NodeConfig, wanted: str, out: Output) -> MountClient:
     if none answers; refuses a mount that serves another store than `wanted`
     (sandboxes would mix two)."""
     from fusefs.client import DaemonError, MountClient, mount
-    from fusefs.control import MountSettings
+    from fusefs.control import MountSettings, make_mountpoint
 
     client = MountClient(config.mount, run_dir=config.run_dir)
     try:
         served = client.ping().store
     except DaemonError:
-        config.mount.mkdir(parents=True, exist_ok=True)
+        make_mountpoint(config.mount)
         with out.status(f"mounting {wanted} at {config.mount}"):
             mount(MountSettings.from_config(config))
         return client

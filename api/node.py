@@ -407,8 +407,7 @@ class Node:
     def cache_summary(self) -> m.CacheStats:
         """The chunk cache's counters, where fetched chunks came from, and memory hits."""
         reply = self.cache_stats()
-        return m.CacheStats.model_validate({**reply.cache, "memory_hits": reply.memory_hits,
-                                            "backend_fetches": reply.fetches, "sources": reply.sources})
+        return m.CacheStats.model_validate({**reply.counters(), "sources": reply.sources})
 
     def health(self) -> m.Health:
         """Degraded when the mount daemon does not answer: sandboxes cannot start or resume."""

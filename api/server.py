@@ -34,8 +34,7 @@ def watch_metrics(node: Node) -> None:
         return counts
 
     def cache() -> dict[str, int]:
-        reply = node.cache_stats()
-        return {**reply.cache, "memory_hits": reply.memory_hits}
+        return node.cache_stats().counters()
 
     node.metrics.watch(states, cache)
 

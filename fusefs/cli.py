@@ -8,7 +8,6 @@ positional MOUNTPOINT of `mount`/`umount`), else the configured `mount`
 from __future__ import annotations
 
 import argparse
-import contextlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,12 +35,11 @@ def mount_option() -> argparse.ArgumentParser:
 
 
 def cmd_mount(args: argparse.Namespace, ctx: MountContext) -> int:
-    from .control import MountSettings
+    from .control import MountSettings, make_mountpoint
 
     settings = MountSettings.from_config(ctx.config, upper_dir=Path(args.upper_dir) if args.upper_dir else None)
     if args.mount is None:  # the node's own mount point is made on first use; a named one must exist
-        with contextlib.suppress(OSError):  # exists (maybe a dead mount: the daemon clears it)
-            settings.mountpoint.mkdir(parents=True)
+        make_mountpoint(settings.mountpoint)
     if args.foreground:
         import logging
 
@@ -96,7 +94,7 @@ def _live_stats(ctx: MountContext, *, required: bool) -> dict[str, Any] | None:
         if required:
             raise
         return None
-    return {**reply.cache, "memory_hits": reply.memory_hits, "backend_fetches": reply.fetches}
+    return reply.counters()
 
 
 def _cache_dir_stats(cache_dir: Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ nor trio (a `strata layer seal` should not pay for them at start-up).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -83,6 +84,13 @@ def control_socket(mountpoint: str | os.PathLike[str], run_dir: Path) -> Path:
     """The control socket of the daemon serving `mountpoint` (by its real path) under `run_dir`."""
     real = os.path.realpath(mountpoint)
     return Path(run_dir) / f"mount-{hashlib.blake2b(real.encode(), digest_size=8).hexdigest()}.sock"
+
+
+def make_mountpoint(mountpoint: Path) -> None:
+    """Create the node's own mount point on first use. One that exists is left
+    alone, even a dead FUSE mount (whose stat fails): `mount` clears that."""
+    with contextlib.suppress(OSError):
+        mountpoint.mkdir(parents=True)
 
 
 def check_mountpoint(mountpoint: Path) -> Path:

@@ -77,6 +77,11 @@ class MountStats(Reply):
     disks: int
     open_files: int
 
+    def counters(self) -> dict[str, int]:
+        """The cache's counters with the daemon's own, as `strata cache stats`,
+        `GET /cache` and the node's metrics report them."""
+        return {**self.cache, "memory_hits": self.memory_hits, "backend_fetches": self.fetches}
+
 
 @dataclass(frozen=True)
 class SealState(Reply):
