@@ -202,3 +202,23 @@ def guest_spec(guest: Path, disk: Path, work: Path, **kw: object) -> "VmSpec":
 
     return VmSpec(kernel=guest / "vmlinuz", initrd=guest / "initramfs.cpio.gz", disk=disk, workdir=work,
                   **kw)  # type: ignore[arg-type]
+
+
+# the fault matrix's figures (tests/test_faults.py), printed at the end of a run
+FAULT_FIGURES = pytest.StashKey[dict[str, int]]()
+
+
+@pytest.fixture
+def fault_ledger(request: pytest.FixtureRequest) -> dict[str, int]:
+    """Counters a fault test adds to: faults it injected, bytes it verified
+    end to end afterwards, 5xx answers it saw. The README's fault matrix
+    quotes the totals this prints."""
+    return request.config.stash.setdefault(FAULT_FIGURES, {"faults injected": 0, "bytes verified": 0,
+                                                           "5xx responses": 0})
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    figures = config.stash.get(FAULT_FIGURES, None)
+    if figures:
+        terminalreporter.write_line("fault matrix: " + ", ".join(f"{k} {v:,}" for k, v in figures.items()))

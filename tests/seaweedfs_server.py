@@ -172,8 +172,22 @@ class SeaweedFS:
                 raise
         raise AssertionError("unreachable")
 
-    def _launch(self, config: pathlib.Path) -> None:
-        self._ports = p = _pick_ports()
+    def restart(self) -> SeaweedFS:
+        """Start again on the same ports and data after stop(): what clients see
+        when their object store comes back from an outage (same endpoint, same
+        objects). Raises if the ports were taken meanwhile."""
+        if self._proc is not None or not self._ports:
+            raise RuntimeError("restart() needs a server that was started and then stopped")
+        self._launch(self.workdir / "s3.json", ports=self._ports)
+        try:
+            self._wait_ready(time.monotonic() + self.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _launch(self, config: pathlib.Path, *, ports: dict[str, int] | None = None) -> None:
+        self._ports = p = ports or _pick_ports()
         self.endpoint = f"http://{self.ip}:{p['s3']}"
         data = self.workdir / "data"
         data.mkdir(exist_ok=True)
@@ -220,14 +234,15 @@ class SeaweedFS:
         tail = self.log_path.read_text(errors="replace").splitlines()[-lines:] if self.log_path.exists() else []
         return f"last {len(tail)} lines of {self.log_path}:\n" + "\n".join(tail)
 
-    def stop(self) -> None:
-        """Idempotent: SIGTERM the group, SIGKILL after 3 s (graceful stop can take 15 s), reap, tidy sockets."""
+    def stop(self, *, crash: bool = False) -> None:
+        """Idempotent: SIGTERM the group, SIGKILL after 3 s (graceful stop can take 15 s), reap, tidy sockets.
+        `crash` sends SIGKILL at once: the store vanishes mid-request, as in an outage."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         atexit.unregister(self.stop)
         try:
-            for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, None)):
+            for sig, grace in ((signal.SIGKILL, None),) if crash else ((signal.SIGTERM, 3.0), (signal.SIGKILL, None)):
                 if proc.poll() is not None:
                     break
                 with contextlib.suppress(ProcessLookupError):  # pid is still ours: unreaped until wait()

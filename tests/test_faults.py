@@ -1,0 +1,226 @@
+"""The fault matrix: real processes killed, a real object store taken away,
+at random points, and what a user sees afterwards.
+
+Each test injects faults the way they happen in production (SIGKILL of a
+process, the SeaweedFS server vanishing mid-request) at random moments, then
+checks the two promises: the user gets a clear error, never wrong data; and
+nothing that was committed before the fault is lost (every byte read back
+and compared). The figures (faults injected, bytes verified, 5xx answers)
+add up in `fault_ledger` and are printed at the end of the run; the README's
+fault matrix quotes them and names the tests covering the other rows
+(corrupt chunks, full cache disk, lying peers, guest floods, teams).
+
+The seed of each test's random schedule is printed on failure (STRATA_FAULT_SEED
+replays one).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import IN_CI, seaweed_env
+from tests.images import MiB
+from tests.seaweedfs_server import SeaweedFS, find_weed
+from tests.test_cli import run, strata_cmd
+from tests.test_fusefs_mount import Mount
+
+pytestmark = pytest.mark.skipif(find_weed() is None and not IN_CI, reason="SeaweedFS binary `weed` not installed")
+
+IMAGE_MIB = 48  # random bytes: every chunk distinct, so a push has work to be interrupted in
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> random.Random:
+    seed = int(os.environ.get("STRATA_FAULT_SEED", random.SystemRandom().randrange(1 << 32)))
+    request.node.user_properties.append(("fault seed", seed))
+    print(f"fault seed {seed} (replay with STRATA_FAULT_SEED={seed})")
+    return random.Random(seed)
+
+
+@pytest.fixture
+def weed(tmp_path: Path) -> Iterator[SeaweedFS]:
+    """A SeaweedFS of this test's own, so the test can take it away and bring it back."""
+    server = SeaweedFS(tmp_path / "weed").start()
+    server.create_bucket("faults")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _image(path: Path, rng: random.Random, mib: int = IMAGE_MIB) -> bytes:
+    data = rng.randbytes(mib * MiB)
+    path.write_bytes(data)
+    return data
+
+
+def _remote(weed: SeaweedFS) -> tuple[str, dict[str, str]]:
+    return f"s3://faults/{uuid.uuid4().hex[:10]}", seaweed_env(weed)
+
+
+def _refs(store: str, env: dict[str, str]) -> list[str]:
+    r = run(["image", "ls", "--json"], {**env, "STRATA_STORE": store})
+    assert r.returncode == 0, r.stderr
+    return [row["ref"] for row in json.loads(r.stdout)]
+
+
+def _read_back(store: str, env: dict[str, str], ref: str, out: Path) -> bytes:
+    """Export through the store's verified read path (every chunk re-hashed)."""
+    out.unlink(missing_ok=True)
+    r = run(["image", "export", ref, str(out)], {**env, "STRATA_STORE": store})
+    assert r.returncode == 0, r.stderr
+    return out.read_bytes()
+
+
+def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "AWS_"))} | env
+    return subprocess.Popen(strata_cmd() + args, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _push_seconds(local: dict[str, str], weed: SeaweedFS) -> float:
+    """How long a whole push takes here, process start to exit: kills are
+    scheduled inside that window (to a scratch prefix, so the real target
+    starts empty)."""
+    remote, env = _remote(weed)
+    began = time.monotonic()
+    r = run(["push", "a:1", "--to", remote], {**local, **env})
+    assert r.returncode == 0, r.stderr
+    return time.monotonic() - began
+
+
+def _one_clear_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("strata: error:"), stderr
+    return lines[0]
+
+
+def test_push_killed_at_random_points_publishes_all_or_nothing(tmp_path: Path, weed: SeaweedFS,
+                                                              rng: random.Random,
+                                                              fault_ledger: dict[str, int]) -> None:
+    local = {"STRATA_STORE": str(tmp_path / "local"), "STRATA_STATE_DIR": str(tmp_path / "state")}
+    data = _image(tmp_path / "a.img", rng)
+    assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], local).returncode == 0
+    window = _push_seconds(local, weed)
+    remote, env = _remote(weed)
+    for attempt in range(5):
+        push = _start(["push", "a:1", "--to", remote, "--json"], {**local, **env})
+        time.sleep(rng.uniform(0.1, 1.0) * window)
+        os.killpg(push.pid, signal.SIGKILL)
+        push.communicate(timeout=30)
+        fault_ledger["faults injected"] += 1
+        if "a:1" in _refs(remote, env):  # finished before the kill: then it must be whole
+            assert _read_back(remote, env, "a:1", tmp_path / "out") == data, f"attempt {attempt}"
+            fault_ledger["bytes verified"] += len(data)
+    r = run(["push", "a:1", "--to", remote, "--json"], {**local, **env})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["chunks_total"] == IMAGE_MIB
+    assert _read_back(remote, env, "a:1", tmp_path / "out") == data
+    fault_ledger["bytes verified"] += len(data)
+    verify = run(["verify", "--json"], {**env, "STRATA_STORE": remote})
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_store_lost_mid_push_fails_clearly_then_resumes(tmp_path: Path, weed: SeaweedFS, rng: random.Random,
+                                                        fault_ledger: dict[str, int]) -> None:
+    local = {"STRATA_STORE": str(tmp_path / "local"), "STRATA_STATE_DIR": str(tmp_path / "state")}
+    data = _image(tmp_path / "a.img", rng)
+    assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], local).returncode == 0
+    window = _push_seconds(local, weed)
+    remote, env = _remote(weed)
+    push = _start(["push", "a:1", "--to", remote, "--json"], {**local, **env})
+    time.sleep(rng.uniform(0.6, 0.85) * window)  # past start-up, before the end
+    weed.stop(crash=True)
+    fault_ledger["faults injected"] += 1
+    out, err = push.communicate(timeout=300)
+    assert push.returncode != 0, f"push finished before the store went away ({out})"
+    line = _one_clear_line(err)
+    assert "cannot reach" in line or "unavailable" in line, line
+    weed.restart()
+    assert _refs(remote, env) == []  # nothing named: the ref is written last
+    r = run(["push", "a:1", "--to", remote, "--json"], {**local, **env})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["chunks_sent"] <= IMAGE_MIB
+    assert _read_back(remote, env, "a:1", tmp_path / "out") == data
+    fault_ledger["bytes verified"] += len(data)
+
+
+def test_store_lost_mid_read_gives_eio_never_wrong_bytes(tmp_path: Path, weed: SeaweedFS, rng: random.Random,
+                                                         fault_ledger: dict[str, int]) -> None:
+    remote, env = _remote(weed)
+    data = _image(tmp_path / "a.img", rng)
+    m = Mount(tmp_path, store=remote, env=env)
+    m.strata("image", "import", str(tmp_path / "a.img"), "lazy:v1")
+    m.start()
+    try:
+        half = 4 * MiB  # read-ahead fetches at most 8 chunks past it: the last chunk stays in the store
+        with open(m.image("lazy:v1"), "rb", buffering=0) as f:
+            assert os.pread(f.fileno(), half, 0) == data[:half]  # now cached
+        # the read-ahead window may have fetched past the half: read what is surely uncached, the last chunk
+        weed.stop(crash=True)
+        fault_ledger["faults injected"] += 1
+        with open(m.image("lazy:v1"), "rb", buffering=0) as f:
+            with pytest.raises(OSError) as exc:
+                os.pread(f.fileno(), MiB, len(data) - MiB)
+            assert exc.value.errno == errno.EIO
+            assert os.pread(f.fileno(), half, 0) == data[:half]  # the cache still serves, verified
+        os.kill(m.pid, 0)  # the daemon lives on
+        weed.restart()
+        with open(m.image("lazy:v1"), "rb", buffering=0) as f:
+            assert os.pread(f.fileno(), len(data), 0) == data
+        fault_ledger["bytes verified"] += len(data) + half
+    finally:
+        m.stop()
+
+
+def test_serve_killed_mid_upload_publishes_all_or_nothing(tmp_path: Path, rng: random.Random,
+                                                          fault_ledger: dict[str, int]) -> None:
+    from tests.node_server import NodeServer
+
+    node = NodeServer(tmp_path, tmp_path / "no-guest")  # images only: no VM is started
+    data = rng.randbytes(IMAGE_MIB * MiB)
+    store = {"STRATA_STORE": node.env["STRATA_STORE"], "STRATA_STATE_DIR": str(tmp_path / "reader")}
+    try:
+        node.start()
+        began = time.monotonic()
+        assert node.client.put("/images/probe:v1", content=data).status_code == 201
+        window = time.monotonic() - began
+        for attempt in range(4):
+            upload = subprocess.Popen(["curl", "-sS", "-o", "/dev/null", "-X", "PUT", "--data-binary", "@-",
+                                       "-H", "X-API-Key: " + node.client.headers["X-API-Key"],
+                                       "-H", "Content-Type: application/octet-stream",
+                                       f"{node.url}/images/up:v{attempt}"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            killer_delay = rng.uniform(0.1, 1.2) * window
+            killed_at = time.monotonic() + killer_delay
+            upload.stdin.write(data)  # type: ignore[union-attr]
+            upload.stdin.close()  # type: ignore[union-attr]
+            time.sleep(max(0.0, killed_at - time.monotonic()))
+            node.proc.kill()  # type: ignore[union-attr]  # serve only: its mount daemon lives on, as in a crash
+            node.proc.wait()  # type: ignore[union-attr]
+            upload.wait(timeout=60)
+            fault_ledger["faults injected"] += 1
+            node.start()
+            listed = [row["ref"] for row in node.client.get("/images").json()]
+            if f"up:v{attempt}" in listed:
+                assert _read_back(store["STRATA_STORE"], store, f"up:v{attempt}", tmp_path / "out") == data
+                fault_ledger["bytes verified"] += len(data)
+            assert _read_back(store["STRATA_STORE"], store, "probe:v1", tmp_path / "out") == data  # committed
+            fault_ledger["bytes verified"] += len(data)
+        r = node.client.put("/images/up:final", content=data)
+        assert r.status_code == 201, r.text
+        assert _read_back(store["STRATA_STORE"], store, "up:final", tmp_path / "out") == data
+        fault_ledger["bytes verified"] += len(data)
+    finally:
+        node.cleanup()
