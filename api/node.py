@@ -81,6 +81,8 @@ class Node:
     # background work ---------------------------------------------------------------
     def start(self) -> None:
         """Reconcile with what survived a restart, then start the reaper and pool threads."""
+        for sid in self.boxes.finish_interrupted():
+            log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
         for record in self.boxes.registry.all():
             template = record.metadata.get(POOL_KEY)
             if template is not None and template not in self.config.warm_pool:

@@ -224,3 +224,63 @@ def test_serve_killed_mid_upload_publishes_all_or_nothing(tmp_path: Path, rng: r
         fault_ledger["bytes verified"] += len(data)
     finally:
         node.cleanup()
+
+
+def test_serve_killed_mid_pause_loses_nothing_committed(tmp_path: Path, guest: Path, rng: random.Random,
+                                                        fault_ledger: dict[str, int]) -> None:
+    """SIGKILL of `strata serve` while it pauses (snapshots, then frees) a
+    sandbox: after the restart the sandbox is running or paused, its record
+    says which, and a connect brings it back with every file written before
+    the last completed pause."""
+    import threading
+
+    from tests.node_server import NodeServer
+
+    node = NodeServer(tmp_path, guest)
+    node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    try:
+        node.start()
+        c = node.client
+        assert c.post("/templates", json={"name": "base", "image": "guest:v1"}).status_code == 201
+        sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+        _exec(node, sid, "echo committed > /root/kept; sync")
+        began = time.monotonic()
+        assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+        window = time.monotonic() - began
+        for attempt in range(2):
+            assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code in (200, 201)
+            _exec(node, sid, f"echo round{attempt} >> /root/kept; sync")
+            answers: list[int] = []
+            pause = threading.Thread(target=lambda: answers.append(_status(c, f"/sandboxes/{sid}/pause")))
+            pause.start()
+            time.sleep(rng.uniform(0.05, 1.0) * window)
+            node.proc.kill()  # type: ignore[union-attr]
+            node.proc.wait()  # type: ignore[union-attr]
+            pause.join(timeout=60)
+            fault_ledger["faults injected"] += 1
+            node.start()
+            state = c.get(f"/sandboxes/{sid}").json()["state"]
+            assert state in ("running", "paused"), state
+            fault_ledger["5xx responses"] += sum(code >= 500 for code in answers)
+            r = c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600})
+            assert r.status_code in (200, 201), r.text
+            kept = _exec(node, sid, "cat /root/kept")
+            assert kept.splitlines() == ["committed"] + [f"round{i}" for i in range(attempt + 1)], kept
+            fault_ledger["bytes verified"] += len(kept)
+    finally:
+        node.cleanup()
+
+
+def _status(client: object, path: str) -> int:
+    import httpx
+
+    try:
+        return client.post(path).status_code  # type: ignore[attr-defined]
+    except httpx.HTTPError:
+        return 0  # the server died under the request: no answer, not a 5xx
+
+
+def _exec(node: object, sid: str, command: str) -> str:
+    r = node.client.post(f"/sandboxes/{sid}/exec", json={"command": command})  # type: ignore[attr-defined]
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    return r.json()["output"].strip()

@@ -39,3 +39,22 @@ def test_a_failed_snapshot_leaves_the_vm_as_it_was_and_the_record_true(tmp_path:
     else:  # the guest gets its vCPUs back, and the record says running
         assert vm.calls == ["pause", "resume"] and record.state == "running"
     assert record.last_snapshot is None
+
+
+class StoppedVm(FakeVm):
+    """A VM whose vCPUs a dead snapshot left stopped."""
+
+    def status(self) -> str:
+        return "running" if "resume" in self.calls else "paused"
+
+
+@pytest.mark.parametrize("state", ["running", "paused"])
+def test_an_operation_that_died_midway_is_finished_by_the_next_lock_holder(tmp_path: Path, state: str) -> None:
+    boxes, backend = fake_node(tmp_path)
+    vm = backend.vms["box"] = StoppedVm(tmp_path / "work" / LOCKS / "box", 4242)
+    boxes.update("box", state=state, operation="snapshot")  # as a SIGKILLed snapshot leaves it
+    assert boxes.finish_interrupted() == ["box"]
+    record = boxes.registry.load("box")
+    assert record.operation == "" and record.state == state
+    assert vm.calls == (["resume"] if state == "running" else [])  # the record's state is the VM's again
+    assert boxes.finish_interrupted() == []

@@ -97,6 +97,10 @@ class QemuVm:
 
     def resume(self) -> None:
         with self._qmp() as qmp:
+            if qmp.execute("query-migrate").get("status") in _MIGRATING:
+                # a state save whose caller died midway: its snapshot was never published
+                qmp.execute("migrate_cancel")
+                _wait_migration_over(qmp, timeout=30)
             qmp.execute("cont")
 
     def save_state(self, path: Path) -> None:
@@ -120,6 +124,17 @@ class QemuVm:
             if not wait_gone(self.pid, 5, proc=self.proc):
                 kill_group(self.pid, proc=self.proc)
         self.agent.close()
+
+
+_MIGRATING = ("setup", "active", "device", "pre-switchover", "cancelling")
+
+
+def _wait_migration_over(qmp: QMP, *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while qmp.execute("query-migrate").get("status") in _MIGRATING:
+        if time.monotonic() > deadline:
+            raise VmmError(f"cancelling a VM state save did not finish within {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 def _wait_migrated(qmp: QMP, *, timeout: float) -> None:

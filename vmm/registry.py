@@ -71,6 +71,11 @@ class SandboxRecord:
     auto_pause: bool = False
     suspended_at: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # An operation that stops the vCPUs midway (a snapshot) names itself here
+    # before it pauses and clears it when the VM is back in `state`. The next
+    # holder of the sandbox's lock that finds it set knows that operation's
+    # process died midway and puts the VM back (Sandboxes._finish_interrupted).
+    operation: str = ""
 
 
 def new_sid() -> str:

@@ -117,9 +117,44 @@ class Sandboxes:
         with self.registry.lock(sid, timeout=self.lock_timeout):
             held.add(sid)
             try:
+                self._finish_interrupted(sid)
                 yield
             finally:
                 held.discard(sid)
+
+    def _finish_interrupted(self, sid: str) -> None:
+        """Called with the sandbox's lock newly taken: if the record names an
+        operation, the process that ran it died holding the lock (SIGKILL of
+        `strata serve` mid-snapshot, say) and may have left the vCPUs
+        stopped while the record says running. Put the VM back in the
+        recorded state, so the record never lies. What that operation had
+        already published (a sealed layer, a snapshot) stays in the store."""
+        if not self.registry.exists(sid):
+            return
+        record = self.registry.load(sid)
+        if not record.operation:
+            return
+        log.warning("sandbox %s: a %s was interrupted; restoring the VM to %s", sid, record.operation,
+                    record.state)
+        if record.state == "running" and self.backend.is_running(self.registry.workdir(sid)):
+            try:
+                vm = self.get(sid).vm
+                if vm.status() != "running":
+                    vm.resume()
+            except StrataError as exc:
+                log.error("sandbox %s: resuming after an interrupted %s: %s", sid, record.operation, exc)
+                record.state = "paused"
+        record.operation = ""
+        self.registry.save(record)
+
+    def finish_interrupted(self) -> list[str]:
+        """Recover every sandbox whose last operation died midway (at node
+        start); returns their ids."""
+        found = [r.sid for r in self.registry.all() if r.operation]
+        for sid in found:
+            with self._locked(sid):
+                pass  # taking the lock recovers it
+        return found
 
     def _boot_layer(self, name: str) -> str:
         """Kernel and initrd as layers (imported once; identical bytes dedup)."""
@@ -266,6 +301,8 @@ class Sandboxes:
         record = sandbox.record
         if resume is None:
             resume = record.state == "running"
+        record.operation = "snapshot"
+        self.registry.save(record)
         sandbox.vm.pause()
         try:
             snapshot_id, timings = self._capture(sandbox)
@@ -276,6 +313,7 @@ class Sandboxes:
         if resume:
             sandbox.vm.resume()
         record.state = "running" if resume else "paused"
+        record.operation = ""
         record.timings.update(timings)
         self.registry.save(record)
         return snapshot_id
@@ -308,7 +346,7 @@ class Sandboxes:
         it was running, and record what it really is, so the record never says
         running about a VM left paused (the snapshot's error still propagates)."""
         record = sandbox.record
-        record.state = "paused"
+        record.state, record.operation = "paused", ""
         if resume:
             try:
                 sandbox.vm.resume()
