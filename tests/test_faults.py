@@ -284,3 +284,66 @@ def _exec(node: object, sid: str, command: str) -> str:
     r = node.client.post(f"/sandboxes/{sid}/exec", json={"command": command})  # type: ignore[attr-defined]
     assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
     return r.json()["output"].strip()
+
+
+def test_corrupt_chunks_in_store_and_cache_are_never_served(tmp_path: Path, weed: SeaweedFS, rng: random.Random,
+                                                            fault_ledger: dict[str, int]) -> None:
+    """Damage random cache files (while the mount is down, as a torn write or
+    a lost disk sector would) and random chunk objects in S3, then read every
+    chunk: a range reads back exactly, or fails with EIO when no good copy of
+    its chunk is left; verify names exactly the damaged objects."""
+    from layerstore.digest import digest_bytes
+
+    remote, env = _remote(weed)
+    data = _image(tmp_path / "a.img", rng)
+    digests = [digest_bytes(data[i:i + MiB]) for i in range(0, len(data), MiB)]
+    m = Mount(tmp_path, store=remote, env=env)
+    m.strata("image", "import", str(tmp_path / "a.img"), "c:v1")
+    m.start()
+    try:
+        assert m.image("c:v1").read_bytes() == data  # every chunk now cached
+        m.stop()
+        bad_cache = set(rng.sample(digests, 8))
+        for digest, damage in zip(sorted(bad_cache), ["flip", "truncate", "empty", "delete"] * 2):
+            _damage(tmp_path / "cache" / "chunks" / digest[:2] / digest, damage, rng)
+        bad_store = set(rng.sample(digests, 5))
+        s3, bucket, prefix = weed.client(), "faults", remote.removeprefix("s3://faults/")
+        for digest in bad_store:
+            key = f"{prefix}/chunks/{digest[:2]}/{digest}"
+            body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+            s3.put_object(Bucket=bucket, Key=key, Body=body[: len(body) // 2] if rng.random() < 0.5
+                          else rng.randbytes(len(body)))
+        fault_ledger["faults injected"] += len(bad_cache) + len(bad_store)
+        m.start()
+        lost = {i for i, d in enumerate(digests) if d in bad_cache and d in bad_store}
+        failed = set()
+        with open(m.image("c:v1"), "rb", buffering=0) as f:
+            for i in range(len(digests)):
+                try:
+                    got = os.pread(f.fileno(), MiB, i * MiB)
+                except OSError as exc:
+                    assert exc.errno == errno.EIO
+                    failed.add(i)
+                    continue
+                assert got == data[i * MiB:(i + 1) * MiB], f"chunk {i} served wrong bytes"
+                fault_ledger["bytes verified"] += len(got)
+        assert failed == lost
+        os.kill(m.pid, 0)  # the daemon lives on
+    finally:
+        m.stop()
+    r = run(["verify", "--json"], {**env, "STRATA_STORE": remote})
+    assert r.returncode == 3
+    assert {d for d in bad_store if d in r.stdout} == bad_store
+
+
+def _damage(path: Path, how: str, rng: random.Random) -> None:
+    if how == "delete":
+        path.unlink()
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncate":
+        os.truncate(path, path.stat().st_size // 3)
+    else:
+        raw = bytearray(path.read_bytes())
+        raw[rng.randrange(len(raw))] ^= 0xFF
+        path.write_bytes(bytes(raw))
