@@ -6,11 +6,18 @@ Errors are `{"code", "message"}` with:
     NotFound                 404             unknown id, ref, template
     InvalidInput, bad body   400             nothing was changed
     Conflict, MissingChunk   409             wrong state / snapshot incomplete
+    AgentBusy                409             another command holds the sandbox's agent
+    CorruptObject            409             stored data fails verification (`strata verify` names it)
     TooLarge                 413             upload over the node's limit
     Capacity                 429             node full (Should-Retry: false)
     BackendUnavailable       503             object store down (Should-Retry: false)
-    AccessDenied             502             the object store refused the node's credentials
+    AccessDenied, BackendError 502           the object store refused the request or the node's credentials
+    AgentError               502             the guest agent did not answer or answered nonsense
+    AgentTimeout             504             the guest command did not finish in its timeout
     other StrataError        500             e.g. the VMM failed; message says why
+
+Bad stored data (a corrupt record, manifest or chunk) is never a 500: it
+is CorruptObject, NotFound or MissingChunk, raised where it is read.
 
 The API's own failures (Capacity, TooLarge) live here rather than in
 node.py so the modules raising them and the mapping share one definition.
@@ -23,8 +30,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from layerstore.errors import (AccessDenied, BackendUnavailable, Conflict, InvalidInput, MissingChunk, NotFound,
-                               StrataError)
+from layerstore.errors import (AccessDenied, BackendError, BackendUnavailable, Conflict, CorruptObject, InvalidInput,
+                               MissingChunk, NotFound, StrataError)
+from vmm.agent import AgentBusy, AgentError, AgentTimeout
 
 from . import models as m
 
@@ -40,9 +48,10 @@ class TooLarge(InvalidInput):
 # first match wins: TooLarge before its base class InvalidInput
 STATUS: tuple[tuple[type[StrataError], int], ...] = (
     (NotFound, 404), (TooLarge, 413), (InvalidInput, 400), (Conflict, 409), (MissingChunk, 409), (Capacity, 429),
-    (BackendUnavailable, 503), (AccessDenied, 502))
+    (CorruptObject, 409), (AgentBusy, 409), (AgentTimeout, 504), (AgentError, 502),
+    (BackendUnavailable, 503), (BackendError, 502))  # AccessDenied is a BackendError
 NO_RETRY = (429, 503)  # E2B's SDK retries unless told not to; neither clears up by retrying at once
-DOCUMENTED = {code: {"model": m.Error} for code in (400, 401, 403, 404, 409, 413, 429, 500, 503)}
+DOCUMENTED = {code: {"model": m.Error} for code in (400, 401, 403, 404, 409, 413, 429, 500, 502, 503, 504)}
 
 
 def status_of(exc: StrataError) -> int:

@@ -190,7 +190,9 @@ class ExecRequest(BaseModel):
 
 class ExecResult(BaseModel):
     exitCode: int
-    output: str = Field(description="stdout and stderr together")
+    output: str = Field(description="stdout and stderr together, cut at the node's `exec_output_limit` "
+                                     "with a `[strata: output truncated: ...]` line")
+    truncated: bool = Field(False, description="output went past `exec_output_limit`; the rest was dropped")
 
 
 class ImageInfo(BaseModel):

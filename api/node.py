@@ -106,6 +106,10 @@ class Node:
     def _reaper(self) -> None:
         while not self._stop.wait(1.0):
             self.reap(time.time())
+            try:
+                self.boxes.rotate_logs(limit=self.config.console_log_limit)
+            except (OSError, StrataError) as exc:  # a full disk, a record being rewritten: next second
+                log.error("rotating console logs: %s", exc)
 
     def _pooler(self) -> None:
         while not self._stop.is_set():
@@ -351,7 +355,7 @@ class Node:
         if not 1 <= timeout <= 3600:
             raise InvalidInput(f"timeout {timeout} s is outside 1..3600 s")
         with self.vmm("exec"):
-            return self.boxes.get(sid).vm.agent.run(command, timeout=timeout)
+            return self.boxes.exec(sid, command, timeout=timeout, max_output=self.config.exec_output_limit)
 
     def gc_roots(self) -> list:
         """What GC of this node's store must keep beyond refs, templates and

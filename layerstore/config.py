@@ -173,6 +173,10 @@ class NodeConfig:
     paused_retention: float = _setting("7d", parse_duration, "how long a paused sandbox is kept before it is "
                                                              "reclaimed")
     max_upload: int = _setting("64G", parse_bytes, "largest image upload the API accepts")
+    exec_output_limit: int = _setting("1M", parse_bytes, "output of one guest command kept (stdout + stderr); "
+                                                          "the rest is dropped with a marker")
+    console_log_limit: int = _setting("4M", parse_bytes, "size at which a sandbox's console log is rotated "
+                                                          "(one previous file kept)")
     warm_pool: dict[str, int] = _setting("", _pool, "pre-restored paused sandboxes per template: NAME=N,...")
     api_keys: tuple[str, ...] = _setting("", _keys, "API keys (X-API-Key), comma-separated; environment only",
                                          secret=True)

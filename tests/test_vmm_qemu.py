@@ -21,6 +21,12 @@ from vmm.accel import detect
 from vmm.qemu import QemuBackend, VmmError
 from vmm.sandbox import Sandboxes
 
+def confined(pid: int) -> None:
+    """QEMU runs under its seccomp filter (-sandbox on)."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    assert status["Seccomp"].strip() == "2", "QEMU runs without its -sandbox seccomp filter"
+
+
 def test_accel_detection_refuses_pvm_kvm(tmp_path: Path) -> None:
     dev = tmp_path / "kvm"
     dev.write_text("")
@@ -40,6 +46,7 @@ def test_boot_from_fuse_disk_run_pause_resume(served_disk: tuple[Mount, Path], g
         r = vm.agent.run("echo hello from $(uname -r); cat /proc/mounts | grep ' / '")
         assert r.exit_code == 0 and "hello from" in r.output and "/dev/vda" in r.output, r.output
         assert vm.agent.run("exit 3").exit_code == 3
+        confined(vm.pid)
         vm.pause()
         assert vm.status() == "paused"
         vm.resume()

@@ -96,6 +96,12 @@ class VmmBackend(Protocol):
         control socket (the way out of a VM nobody can attach to)."""
         ...
 
+    def rotate_logs(self, workdir: Path, *, limit: int) -> None:
+        """Keep each log in `workdir` that a guest can fill (its console)
+        near `limit` bytes, with one previous file beside it: a guest
+        printing without end must not fill the node's disk."""
+        ...
+
 
 BACKENDS = ("qemu", "firecracker")
 

@@ -94,8 +94,9 @@ def cmd_exec(args: argparse.Namespace, ctx: NodeContext) -> int:
     command = " ".join(args.command)
     if not command:
         raise InvalidInput("no command given: strata sandbox exec SID -- COMMAND...")
-    result = node.get(args.sid).vm.agent.run(command, timeout=args.timeout)
-    out.result({"sid": args.sid, "exit_code": result.exit_code, "output": result.output},
+    result = node.exec(args.sid, command, timeout=args.timeout, max_output=ctx.config.exec_output_limit)
+    out.result({"sid": args.sid, "exit_code": result.exit_code, "output": result.output,
+                "truncated": result.dropped > 0},
                result.output.rstrip("\n"))
     return result.exit_code
 

@@ -18,6 +18,29 @@ import time
 from pathlib import Path
 
 
+def rotate_log(path: Path, *, limit: int) -> bool:
+    """If `path` is over `limit` bytes, keep its last `limit` bytes as
+    `path.1` and empty it in place. The writer keeps its fd (a VMM's
+    O_APPEND log goes on at the new end), so what it writes between the
+    copy and the truncate is lost: fine for a console log, whose recent
+    lines are what matter."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= limit:
+                return False
+            f.seek(size - limit)
+            tail = f.read(limit)
+        old = path.with_name(path.name + ".1")
+        tmp = path.with_name(path.name + ".1.tmp")
+        tmp.write_bytes(tail)
+        os.replace(tmp, old)
+        os.truncate(path, 0)
+        return True
+    except FileNotFoundError:  # the sandbox went away meanwhile
+        return False
+
+
 def owns(pid: int, marker: str) -> bool:
     """True if `pid` is still the VMM whose argv holds `marker` (its control
     socket path), not a recycled pid or a zombie."""

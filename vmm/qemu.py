@@ -5,7 +5,8 @@ warning line. Never `-cpu host` (fails on MSR 0x10a on the PVM hosts).
 The command line (see vmm/guest/README.md for why each piece):
 
     qemu-system-x86_64 -M pc,accel=tcg -m 256 -smp 1 -nodefaults -no-user-config
-      -display none -no-reboot -serial file:console.log
+      -display none -no-reboot -sandbox on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny
+      -chardev file,id=console,path=console.log,append=on -serial chardev:console
       -kernel vmlinuz -initrd initramfs.cpio.gz -append 'console=ttyS0 quiet panic=-1'
       -device virtio-serial-pci -chardev socket,id=agent,path=agent.sock,server=on,wait=off
       -device virtserialport,chardev=agent,name=strata.agent
@@ -45,7 +46,7 @@ from .accel import Accel, detect
 from .agent import Agent
 from .backend import VmmError, VmSpec
 from .durable import write_durably
-from .process import kill_group, owns, wait_gone
+from .process import kill_group, owns, rotate_log, wait_gone
 from .qmp import QMP
 
 log = logging.getLogger("strata.vmm")
@@ -55,6 +56,15 @@ QEMU_BINARY = "qemu-system-x86_64"
 def _owns(pid: int, workdir: Path) -> bool:
     """True if `pid` is still the QEMU of `workdir` (its argv names the QMP socket)."""
     return owns(pid, str(workdir / "qmp.sock"))
+
+
+# QEMU's seccomp filter: obsolete, set*uid/gid and resource-control syscalls
+# are denied. Spawning stays allowed: snapshots stream through `exec:cat`.
+# QEMU still runs as the node's user (root): `-runas` would need the disk
+# reopened by fd (the block layer reopens it by path when a migration ends)
+# and the state stream passed as an fd, and restoring from an fd-passed
+# stream failed in our tests (README, "VMM confinement").
+SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=allow,resourcecontrol=deny"
 
 
 class QemuVm:
@@ -173,8 +183,9 @@ class QemuBackend:
             memory = ["-object", f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={spec.memory_file},{mode}"]
         argv = [
             self.binary, "-M", machine, "-m", str(spec.memory_mib), "-smp", str(spec.cpus), *memory,
-            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-            "-serial", f"file:{w / 'console.log'}",
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-sandbox", SECCOMP,
+            # append: the console log can be emptied under QEMU (rotate_logs)
+            "-chardev", f"file,id=console,path={w / 'console.log'},append=on", "-serial", "chardev:console",
             "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline,
             "-device", "virtio-serial-pci",
             "-chardev", f"socket,id=agent,path={w / 'agent.sock'},server=on,wait=off",
@@ -287,3 +298,7 @@ class QemuBackend:
         pid = self._recorded_pid(workdir)
         if pid is not None and _owns(pid, workdir):
             kill_group(pid)
+
+    def rotate_logs(self, workdir: Path, *, limit: int) -> None:
+        for name in ("console.log", "qemu.log"):  # both opened O_APPEND
+            rotate_log(workdir / name, limit=limit)

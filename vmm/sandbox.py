@@ -47,6 +47,7 @@ from layerstore.refs import parse_ref
 from layerstore.snapshot import Snapshot
 from layerstore.store import Store
 
+from .agent import DEFAULT_MAX_OUTPUT, RunResult
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
 from .registry import MAX_FORKS, LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 
@@ -196,6 +197,20 @@ class Sandboxes:
                 vm.agent.close()  # a handle of a VM that is gone or not this sandbox's any more
             vm = self._vms[sid] = self.backend.attach(self.registry.workdir(sid))
         return Sandbox(record, vm, self.registry.workdir(sid))
+
+    def exec(self, sid: str, command: str, *, timeout: float, max_output: int = DEFAULT_MAX_OUTPUT) -> RunResult:
+        """Run `sh -c command` in the guest of `sid`. Not under the sandbox's
+        lock (a command may run for an hour; pause need not wait), but one
+        at a time through its agent; output past `max_output` is dropped
+        with a marker (a guest can print without end)."""
+        return self.get(sid).vm.agent.run(command, timeout=timeout, max_output=max_output)
+
+    def rotate_logs(self, *, limit: int) -> None:
+        """Cap the console logs of running sandboxes (called every second by
+        `strata serve`; a guest printing without end fills no disk)."""
+        for record in self.registry.all():
+            if record.state == "running":
+                self.backend.rotate_logs(self.registry.workdir(record.sid), limit=limit)
 
     def update(self, sid: str, **fields: object) -> SandboxRecord:
         """Change fields of a sandbox's record (metadata, lifetime) under its lock."""

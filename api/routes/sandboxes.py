@@ -117,4 +117,4 @@ def fork(sandboxID: str, response: Response, node: NodeDep,
              summary="Strata: run a shell command in the sandbox through its agent")
 def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep) -> m.ExecResult:
     result = node.exec(sandboxID, body.command, body.timeout)
-    return m.ExecResult(exitCode=result.exit_code, output=result.output)
+    return m.ExecResult(exitCode=result.exit_code, output=result.output, truncated=result.dropped > 0)
