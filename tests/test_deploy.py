@@ -104,22 +104,37 @@ def toml_keys(text: str) -> list[str]:
     return keys
 
 
-_INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+_INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-?])((?:[^}]|\$\([^)]*\))*))?\}")
+TRY_OUT_KEYS = {"STRATA_API_KEYS": "try-out-api-key-0123", "STRATA_ADMIN_KEYS": "try-out-admin-key-0123"}
 
 
-def interpolate(value: object) -> object:
-    """Compose's ${VAR:-default} interpolation, with every VAR unset (the defaults a try-out gets)."""
+class Refused(Exception):
+    """Compose's `${VAR:?message}`: VAR is unset, compose stops with the message."""
+
+
+def interpolate(value: object, env: dict[str, str]) -> object:
+    """Compose's ${VAR:-default} and ${VAR:?error} interpolation under `env`."""
+    def one(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if op == "?":
+            raise Refused(f"{name}: {arg}")
+        return arg
+
     if isinstance(value, str):
-        return _INTERP.sub(lambda m: m.group(2) or "", value)
+        return _INTERP.sub(one, value)
     if isinstance(value, list):
-        return [interpolate(v) for v in value]
+        return [interpolate(v, env) for v in value]
     if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
+        return {k: interpolate(v, env) for k, v in value.items()}
     return value
 
 
-def load_compose() -> dict:
-    return interpolate(yaml.safe_load(COMPOSE.read_text()))
+def load_compose(env: dict[str, str] | None = None) -> dict:
+    """The compose file as `docker compose` sees it with `env` set (default:
+    the API keys a try-out must set, nothing else)."""
+    return interpolate(yaml.safe_load(COMPOSE.read_text()), TRY_OUT_KEYS if env is None else env)
 
 
 def compose_nodes(compose: dict) -> dict[str, dict]:
@@ -546,7 +561,7 @@ def test_compose_nodes_share_seaweedfs_on_port_8080() -> None:
         assert env["STRATA_STORE"].startswith("s3://") and env["STRATA_HOST"] == "0.0.0.0"
         assert env["STRATA_S3_ENDPOINT"] == f"http://seaweedfs:{s3_port}"
         assert node["depends_on"]["create-bucket"]["condition"] == "service_completed_successfully"
-    assert host_ports == {"8081", "8082", "8083"} and len(volumes) == len(nodes)
+    assert host_ports == {"127.0.0.1:8081", "127.0.0.1:8082", "127.0.0.1:8083"} and len(volumes) == len(nodes)
     assert services["create-bucket"]["image"] == next(iter(nodes.values()))["image"]
 
 
@@ -581,6 +596,18 @@ def compose_seaweed(tmp_path: Path):
 
 
 @pytest.mark.s3
+def test_compose_refuses_to_start_without_real_keys_and_publishes_on_loopback() -> None:
+    for missing in ("STRATA_API_KEYS", "STRATA_ADMIN_KEYS"):
+        env = {k: v for k, v in TRY_OUT_KEYS.items() if k != missing}
+        with pytest.raises(Refused, match=f"{missing}: set {missing}"):
+            load_compose(env)
+    for name, node in compose_nodes(load_compose()).items():
+        assert all(p.startswith("127.0.0.1:") for p in node["ports"]), (name, node["ports"])
+        assert node["environment"]["STRATA_API_KEYS"] == TRY_OUT_KEYS["STRATA_API_KEYS"]
+    public = compose_nodes(load_compose({**TRY_OUT_KEYS, "STRATA_BIND": "0.0.0.0"}))
+    assert all(p.startswith("0.0.0.0:") for node in public.values() for p in node["ports"])
+
+
 def test_compose_bucket_job_and_node_settings_work_on_seaweedfs(compose_seaweed, tmp_path: Path) -> None:
     compose = load_compose()
     job = compose["services"]["create-bucket"]
