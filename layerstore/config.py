@@ -88,10 +88,16 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return check
 
 
+PLACEHOLDERS = ("REPLACE-ME", "CHANGE-ME")  # what deploy/'s examples put where a key goes
+
+
 def _keys(text: str) -> tuple[str, ...]:
     keys = tuple(k.strip() for k in str(text).split(",") if k.strip())
     if any(len(k) < 8 for k in keys):
         raise ValueError("every key must be at least 8 characters")
+    if any(mark in k.upper() for k in keys for mark in PLACEHOLDERS):
+        raise ValueError("a key is still a placeholder from the examples (REPLACE-ME, CHANGE-ME): "
+                         "generate one, e.g. `openssl rand -hex 24`")
     return keys
 
 

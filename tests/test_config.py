@@ -44,6 +44,8 @@ def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
     ({"STRATA_PORT": "70000"}, "STRATA_PORT"), ({"STRATA_CACHE_SIZE": "big"}, "STRATA_CACHE_SIZE"),
     ({"STRATA_SANDBOX_TIMEOUT": "soon"}, "STRATA_SANDBOX_TIMEOUT"), ({"STRATA_VMM": "xen"}, "STRATA_VMM"),
     ({"STRATA_API_KEYS": "short"}, "STRATA_API_KEYS"), ({"STRATA_WARM_POOL": "base"}, "STRATA_WARM_POOL"),
+    ({"STRATA_API_KEYS": "good-key-123,REPLACE-ME-api-key-1"}, "STRATA_API_KEYS: a key is still a placeholder"),
+    ({"STRATA_ADMIN_KEYS": "dev-admin-key-change-me"}, "STRATA_ADMIN_KEYS: a key is still a placeholder"),
     ({"STRATA_SANDBOX_TIMEOUT": "2d"}, "longer than STRATA_MAX_TIMEOUT"), ({"STRATA_STORE": None}, "store is required"),
 ])
 def test_bad_values_name_their_field(tmp_path: Path, env: dict, message: str) -> None:

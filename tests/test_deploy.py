@@ -604,7 +604,7 @@ def test_compose_refuses_to_start_without_real_keys_and_publishes_on_loopback() 
     for name, node in compose_nodes(load_compose()).items():
         assert all(p.startswith("127.0.0.1:") for p in node["ports"]), (name, node["ports"])
         assert node["environment"]["STRATA_API_KEYS"] == TRY_OUT_KEYS["STRATA_API_KEYS"]
-    public = compose_nodes(load_compose({**TRY_OUT_KEYS, "STRATA_BIND": "0.0.0.0"}))
+    public = compose_nodes(load_compose({**TRY_OUT_KEYS, "PUBLISH_ADDRESS": "0.0.0.0"}))
     assert all(p.startswith("0.0.0.0:") for node in public.values() for p in node["ports"])
 
 
@@ -697,7 +697,9 @@ def test_k8s_service_targets_the_node_port() -> None:
     assert container_port(container, port["targetPort"]) == PORT
 
 
-def test_k8s_config_and_secret_validate_and_placeholders_are_marked(tmp_path: Path) -> None:
+def test_k8s_config_and_secret_validate_and_placeholders_are_refused(tmp_path: Path) -> None:
+    """The Secret as shipped is refused (a node would not start with its
+    REPLACE-ME keys); with generated keys in their place it validates."""
     cm, secret = k8s_one("ConfigMap"), k8s_one("Secret")
     config = tmp_path / "config.toml"
     config.write_text(cm["data"]["config.toml"])
@@ -705,6 +707,9 @@ def test_k8s_config_and_secret_validate_and_placeholders_are_marked(tmp_path: Pa
     assert set(values) == {"STRATA_API_KEYS", "STRATA_ADMIN_KEYS", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     for key, value in values.items():
         assert "REPLACE-ME" in value, f"{key}: a placeholder must say so"
+    with pytest.raises(InvalidInput, match="STRATA_API_KEYS: a key is still a placeholder"):
+        node_config(values, config)
+    values = {**values, "STRATA_API_KEYS": "0123456789abcdef,fedcba9876543210", "STRATA_ADMIN_KEYS": "a" * 48}
     node = node_config(values, config)
     assert node.store.startswith("s3://") and node.s3_endpoint and node.s3_path_style == "true"
     assert (node.host, node.port) == ("0.0.0.0", PORT)
