@@ -21,15 +21,25 @@ Rules, each tested in tests/test_fusefs_cache.py:
   can lose unsynced data in a crash); a mismatch drops the entry and counts a
   miss, so a torn entry is refetched, never served.
 - The index survives restarts: a restarted daemon keeps what it had, in LRU
-  order. Entries whose files vanished are dropped; stray files are removed.
+  order. Entries whose files vanished are dropped; a chunk file the index
+  does not know (its commit was lost in a crash) is adopted, and like every
+  entry after a restart it is re-hashed before it is served.
+- The index is a cache of the files, so it is never fatal: LMDB trusts its
+  pages and a torn or garbled index can crash its reader, so it is first
+  read through in a child process (`_index_readable`); if that fails the
+  index is set aside and rebuilt from the chunk files.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import mmap
 import os
+import shutil
 import struct
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -40,10 +50,23 @@ from typing import Hashable, Iterable
 import blake3
 import lmdb
 
-from layerstore.digest import check_digest
+from layerstore.digest import check_digest, is_digest
 
 _ENTRY = struct.Struct("<Qd")
 _DIO_ALIGN = 4096
+log = logging.getLogger("strata.fusefs")
+
+# Read every entry of an index in a child: exit 0 only if all of it is sound.
+_CHECK_INDEX = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=4, subdir=True)
+with env.begin() as txn:
+    if txn.get(b"entries") is not None:
+        db = env.open_db(b"entries", txn=txn, create=False)
+        for key, value in txn.cursor(db=db):
+            if len(key) != 32 or len(value) != 16:
+                sys.exit(3)
+"""
 
 
 @dataclass
@@ -60,6 +83,7 @@ class CacheStats:
     bytes_evicted: int = 0
     skipped_inserts: int = 0
     torn_entries: int = 0
+    index_rebuilds: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -93,6 +117,9 @@ class ChunkCache:
         # No fsync per commit: the index is reconciled with the files at start
         # (an entry without its file is dropped, a file without an entry is
         # removed), so a crash costs refetches, never wrong data.
+        rebuilt = not _index_readable(self.root / "index")
+        if rebuilt:
+            _set_aside(self.root / "index")
         self._env = lmdb.open(str(self.root / "index"), map_size=1 << 30, max_dbs=4, subdir=True, sync=False,
                               metasync=False)
         self._db = self._env.open_db(b"entries")
@@ -105,7 +132,7 @@ class ChunkCache:
         self._pin_count: collections.Counter[str] = collections.Counter()
         self._reserved = 0
         self._touched: dict[str, float] = {}
-        self.stats = CacheStats(capacity=capacity)
+        self.stats = CacheStats(capacity=capacity, index_rebuilds=int(rebuilt))
         self._load()
 
     # setup ------------------------------------------------------------------
@@ -119,7 +146,7 @@ class ChunkCache:
         with self._env.begin(db=self._db) as txn:
             for key, value in txn.cursor():
                 digest = bytes(key).hex()
-                size, atime = _ENTRY.unpack(value)
+                size, atime = _ENTRY.unpack(value)  # sizes checked by _index_readable
                 try:
                     actual = os.stat(self._path(digest)).st_size
                 except FileNotFoundError:
@@ -130,11 +157,7 @@ class ChunkCache:
                     self._path(digest).unlink(missing_ok=True)
                     continue
                 entries.append((atime, digest, size))
-        known = {d for _a, d, _s in entries}
-        for sub in self._chunks.iterdir():
-            for f in sub.iterdir():
-                if f.name not in known:
-                    f.unlink(missing_ok=True)
+        entries += self._adopt({d for _a, d, _s in entries})
         if gone:
             with self._env.begin(write=True, db=self._db) as txn:
                 for key in gone:
@@ -146,6 +169,26 @@ class ChunkCache:
         if self.stats.size > self.capacity:  # capacity lowered since last run
             with self._lock:
                 self._evict_locked(self.stats.size - self._low)
+
+    def _adopt(self, known: set[str]) -> list[tuple[float, str, int]]:
+        """Chunk files the index does not name: entries again (verified on
+        first use, as every entry after a restart), oldest write first.
+        Files that cannot be chunks are removed."""
+        found = []
+        for sub in self._chunks.iterdir():
+            for f in sub.iterdir():
+                if f.name in known:
+                    continue
+                if sub.name != f.name[:2] or not is_digest(f.name) or not f.is_file():
+                    _remove(f)
+                    continue
+                st = f.stat()
+                found.append((st.st_mtime, f.name, st.st_size))
+        if found:
+            with self._env.begin(write=True, db=self._db) as txn:
+                for atime, digest, size in found:
+                    txn.put(bytes.fromhex(digest), _ENTRY.pack(size, atime))
+        return found
 
     # reads ------------------------------------------------------------------
     def _verify_once(self, digest: str, path: Path) -> bool:
@@ -385,3 +428,32 @@ class ChunkCache:
     def close(self) -> None:
         self.flush()
         self._env.close()
+
+
+def _index_readable(index: Path) -> bool:
+    """Whether the LMDB index at `index` reads through without error, tried
+    in a child process: a torn file can crash LMDB's reader outright. An
+    absent index is readable (there is nothing to lose)."""
+    if not (index / "data.mdb").exists():
+        return True
+    try:
+        r = subprocess.run([sys.executable, "-c", _CHECK_INDEX, str(index)], capture_output=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False
+    return r.returncode == 0
+
+
+def _set_aside(index: Path) -> None:
+    """Move an unreadable index out of the way (kept for a post-mortem;
+    one at a time), so a fresh one is rebuilt from the chunk files."""
+    broken = index.with_name("index.broken")
+    log.warning("cache index %s is unreadable: moved to %s, rebuilding it from the chunk files", index, broken)
+    shutil.rmtree(broken, ignore_errors=True)
+    index.rename(broken)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from fusefs.cache import ChunkCache
@@ -112,9 +114,54 @@ def test_restart_reconciles_missing_and_stray_files(tmp_path: Path) -> None:
     stray = tmp_path / "chunks" / "ab" / ("ab" * 32)
     stray.parent.mkdir(exist_ok=True)
     stray.write_bytes(b"junk")
+    junk = tmp_path / "chunks" / "ab" / "not-a-chunk"
+    junk.write_bytes(b"junk")
     again = ChunkCache(tmp_path, capacity=1 << 20)
-    assert not again.contains(d1) and again.contains(d2) and not stray.exists()
-    assert again.stats.size == len(b)
+    assert not again.contains(d1) and again.contains(d2) and not junk.exists()
+    # a chunk file the index does not name is adopted, and re-hashed before it is served
+    assert again.contains("ab" * 32) and again.stats.size == len(b) + 4
+    assert again.read("ab" * 32) is None and not stray.exists() and again.stats.torn_entries == 1
+    assert again.read(d2) == b
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete", "garbage-values"])
+def test_a_torn_index_is_rebuilt_from_the_chunk_files(tmp_path: Path, damage: str) -> None:
+    """The index torn, garbled or gone while the daemon is down: the cache
+    opens, knows its chunks again, serves them exactly (each re-hashed
+    first), never serves a damaged file, and keeps its cap."""
+    cache = ChunkCache(tmp_path, capacity=1 << 20)
+    items = [chunk(i) for i in range(12)]
+    for d, data in items:
+        cache.put(d, data)
+    cache.close()
+    data_mdb = tmp_path / "index" / "data.mdb"
+    if damage == "truncate":
+        os.truncate(data_mdb, data_mdb.stat().st_size // 3)
+    elif damage == "garbage":
+        data_mdb.write_bytes(os.urandom(data_mdb.stat().st_size))
+    elif damage == "delete":
+        shutil.rmtree(tmp_path / "index")
+    else:  # a sound LMDB whose values are not entries
+        env = lmdb.open(str(tmp_path / "index"), max_dbs=4, subdir=True)
+        with env.begin(write=True, db=env.open_db(b"entries")) as txn:
+            txn.put(bytes.fromhex(items[0][0]), b"short")
+        env.close()
+    flipped = tmp_path / "chunks" / items[3][0][:2] / items[3][0]
+    with open(flipped, "r+b") as f:
+        f.write(b"\xff" * 64)
+    again = ChunkCache(tmp_path, capacity=256 * KiB)
+    assert again.stats.index_rebuilds == (0 if damage == "delete" else 1)
+    assert again.stats.size <= 256 * KiB  # the cap holds over adopted files
+    served = 0
+    for d, data in items:
+        got = again.read(d)
+        assert got is None or got == data, f"chunk {d[:12]} served wrong bytes"
+        served += got is not None
+    assert served >= 2 and again.read(items[3][0]) is None
+    again.put(*items[3])
+    assert again.read(items[3][0]) == items[3][1]
+    again.close()
+    assert ChunkCache(tmp_path, capacity=256 * KiB).stats.index_rebuilds == 0  # sound again
 
 
 def test_capacity_lowered_between_runs(tmp_path: Path) -> None:
