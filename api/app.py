@@ -22,9 +22,10 @@ from fastapi import FastAPI, Request, Response
 from fastapi.routing import APIRoute
 
 from . import errors
-from .deps import KEY_HEADER, key_matches
+from .deps import KEY_HEADER
 from .node import Node
 from .routes import ROUTERS
+from .teams import caller_of
 
 TITLE = "Strata node API"
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # metric labels; others: "other"
@@ -60,7 +61,7 @@ async def _key_first(request: Request, call_next: Callable[[Request], Awaitable[
     and tell admin keys apart.)"""
     if (request.method, request.url.path) not in OPEN:
         given = request.headers.get(KEY_HEADER.model.name)
-        if not key_matches(given, request.app.state.node.config.api_keys):
+        if caller_of(given, request.app.state.node.config) is None:
             return errors.error_response(401, "missing or invalid X-API-Key")
     return await call_next(request)
 

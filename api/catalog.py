@@ -5,6 +5,8 @@ Lookups by client-given names are strict: text that cannot be a snapshot id,
 image ref or chunk digest is simply unknown (404), so a path-like name never
 reaches the store. A snapshot is deleted only when nothing needs it any more
 (templates, and the paused sandboxes the node reports as `node_users`).
+Every method takes the caller: another team's object is unknown, and a name
+another team holds cannot be taken over (api/teams.py).
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from pathlib import Path
 
 import anyio
 
-from layerstore.chunk import chunk_key
 from layerstore import inventory
+from layerstore.chunk import chunk_key
+from layerstore.config import NodeConfig
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
 from layerstore.store import Store, inspect_image
-from layerstore.templates import Template, new_template
+from layerstore.templates import Template, check_template_name, new_template
 
 from . import models as m
+from .teams import Caller, check_quota
 from .uploads import staged
 
 def _ref(text: str) -> str:
@@ -33,25 +37,58 @@ def _ref(text: str) -> str:
 
 
 class Catalog:
-    def __init__(self, store: Store, *, memory_mib: int, uploads: Path, max_upload: int,
+    def __init__(self, store: Store, config: NodeConfig, *, uploads: Path,
                  node_users: Callable[[], dict[str, list[str]]]) -> None:
-        """`memory_mib` is what a template's sandboxes get (E2B shows it per
-        template); uploads are staged under `uploads`, at most `max_upload` bytes."""
+        """Templates show `config.sandbox_memory` (E2B shows it per template);
+        uploads are staged under `uploads`, at most `config.max_upload` bytes."""
         self.store = store
-        self._memory_mib = memory_mib
+        self.config = config
         self._uploads = uploads
-        self._max_upload = max_upload
         self._node_users = node_users  # snapshot id -> the node's paused sandboxes waking from it
 
-    # snapshots (layerstore/inventory.py answers; this only shapes the reply) ------------
-    def snapshots(self, *, sandbox: str | None = None, name: str | None = None) -> list[m.SnapshotInfo]:
-        """Every snapshot with the templates naming it, optionally only those
-        taken of `sandbox` or named `name`."""
-        return [m.SnapshotInfo(snapshotID=s.snapshot_id, names=s.names)
-                for s in inventory.list_snapshots(self.store, sandbox=sandbox, name=name)]
+    # teams --------------------------------------------------------------------------------
+    def _snapshot_team(self, snapshot_id: str) -> str:
+        return self.store.get_snapshot(inventory.check_snapshot_id(snapshot_id)).annotations.get("team", "")
 
-    def snapshot(self, snapshot_id: str) -> m.SnapshotDetail:
+    def _check_snapshot(self, caller: Caller, snapshot_id: str) -> None:
+        caller.check_sees(self._snapshot_team(snapshot_id), f"snapshot {snapshot_id} not found")
+
+    def check_snapshot_quota(self, caller: Caller) -> None:
+        used = len(inventory.list_snapshots(self.store, team=caller.team))
+        check_quota(self.config, caller, setting="team_max_snapshots", used=used, adding=1)
+
+    def check_template_free(self, caller: Caller, name: str) -> None:
+        """The name is valid and not another team's template (409)."""
+        check_template_name(name)
+        try:
+            owner = self.store.get_template(name).owner
+        except NotFound:
+            return
+        caller.check_may_replace(owner, f"template {name}")
+
+    def _stored_bytes(self, team: str) -> int:
+        """Bytes stored for a team's images and snapshots, each chunk once."""
+        digests: set[str] = set()
+        layers = [self.store.resolve(ref) for ref, _m, _u in self.store.list_refs()
+                  if (self.store.ref_owner(ref) or "default") == team]
+        for s in inventory.list_snapshots(self.store, team=team):
+            layers += self.store.get_snapshot(s.snapshot_id).layers.values()
+        for layer_id in layers:
+            digests |= set(self.store.chunk_map(layer_id)[1].values())
+        return sum(self.store.stored_sizes(digests).values())
+
+    # snapshots (layerstore/inventory.py answers; this only shapes the reply) ------------
+    def snapshots(self, caller: Caller, *, sandbox: str | None = None,
+                  name: str | None = None) -> list[m.SnapshotInfo]:
+        """The caller's snapshots with the templates naming them, optionally
+        only those taken of `sandbox` or named `name`."""
+        team = None if caller.admin else caller.team
+        return [m.SnapshotInfo(snapshotID=s.snapshot_id, names=s.names)
+                for s in inventory.list_snapshots(self.store, sandbox=sandbox, name=name, team=team)]
+
+    def snapshot(self, caller: Caller, snapshot_id: str) -> m.SnapshotDetail:
         """A snapshot's parent chain, layers and stored size, and the templates naming it."""
+        self._check_snapshot(caller, snapshot_id)
         d = inventory.inspect_snapshot(self.store, snapshot_id, node_users=self._node_users())
         layers = [m.SnapshotLayer(role=x.role, manifest=x.manifest, size=x.size, stored_bytes=x.stored_bytes)
                   for x in d.layers]
@@ -59,39 +96,50 @@ class Catalog:
                                 stored_bytes=d.stored_bytes, vm=d.vm, annotations=d.annotations,
                                 templates=d.templates)
 
-    def delete_snapshot(self, snapshot_id: str) -> None:
+    def delete_snapshot(self, caller: Caller, snapshot_id: str) -> None:
         """Delete a snapshot manifest (Conflict while a template or paused sandbox needs it)."""
+        self._check_snapshot(caller, snapshot_id)
         inventory.delete_snapshot(self.store, snapshot_id, node_users=self._node_users())
 
     # templates ------------------------------------------------------------------------
     def _template(self, t: Template) -> m.Template:
         return m.Template(templateID=t.name, buildID=t.target[:32] if t.kind == "snapshot" else t.target,
-                          cpuCount=1, memoryMB=self._memory_mib, diskSizeMB=0, aliases=[t.name], names=[t.name],
+                          cpuCount=1, memoryMB=self.config.sandbox_memory, diskSizeMB=0, aliases=[t.name], names=[t.name],
                           createdAt=m.timestamp(t.created), updatedAt=m.timestamp(t.created), kind=t.kind,
                           target=t.target)
 
-    def templates(self) -> list[m.Template]:
-        return [self._template(t) for t in self.store.list_templates()]
+    def templates(self, caller: Caller) -> list[m.Template]:
+        return [self._template(t) for t in self.store.list_templates() if caller.sees(t.owner)]
 
-    def create_template(self, name: str, *, image: str | None, snapshot: str | None) -> m.Template:
-        """Name an imported image (NAME:TAG) or a snapshot; exactly one of them."""
+    def create_template(self, caller: Caller, name: str, *, image: str | None, snapshot: str | None) -> m.Template:
+        """Name one of the caller's images (NAME:TAG) or snapshots; exactly one
+        of them. A name another team holds is 409."""
         if (image is None) == (snapshot is None):
             raise InvalidInput("give exactly one of image (NAME:TAG) or snapshot (id)")
-        template = new_template(name, "image" if image else "snapshot", image or snapshot or "")
+        self.check_template_free(caller, name)
+        template = new_template(name, "image" if image else "snapshot", image or snapshot or "", owner=caller.team)
+        if image:
+            caller.check_sees(self.store.ref_owner(template.target), f"image {template.target} not found")
+        else:
+            self._check_snapshot(caller, template.target)
         self.store.put_template(template)
         return self._template(template)
 
-    def delete_template(self, name: str) -> None:
+    def delete_template(self, caller: Caller, name: str) -> None:
         try:
-            self.store.delete_template(name)
+            owner = self.store.get_template(name).owner
         except InvalidInput:
             raise NotFound(f"template {name!r} not found") from None
+        caller.check_sees(owner, f"template {name} not found in {self.store.describe()}")
+        self.store.delete_template(name)
 
     # images ---------------------------------------------------------------------------
-    def images(self) -> list[m.ImageInfo]:
-        """Every image ref; size None where the manifest cannot be read."""
+    def images(self, caller: Caller) -> list[m.ImageInfo]:
+        """The caller's image refs; size None where the manifest cannot be read."""
         out = []
         for ref, manifest_id, updated in self.store.list_refs():
+            if not caller.sees(self.store.ref_owner(ref)):
+                continue
             try:
                 size = self.store.get_layer(manifest_id).size
             except StrataError:
@@ -99,26 +147,53 @@ class Catalog:
             out.append(m.ImageInfo(ref=str(ref), manifest=manifest_id, size=size, updated=updated))
         return out
 
-    def image(self, ref: str) -> m.ImageDetail:
-        info = inspect_image(self.store, _ref(ref))
+    def _check_image(self, caller: Caller, ref: str) -> str:
+        ref = _ref(ref)
+        caller.check_sees(self.store.ref_owner(ref), f"image {ref} not found in {self.store.describe()}")
+        return ref
+
+    def image(self, caller: Caller, ref: str) -> m.ImageDetail:
+        info = inspect_image(self.store, self._check_image(caller, ref))
         return m.ImageDetail(ref=info.ref, manifest=info.manifest_id, size=info.size, chunk_size=info.chunk_size,
                              layers=info.layers, data_chunks=info.data_chunks, hole_chunks=info.hole_chunks,
                              unique_chunks=info.unique_chunks, stored_bytes=info.stored_bytes,
                              missing_chunks=info.missing_chunks)
 
-    def delete_image(self, ref: str) -> None:
+    def delete_image(self, caller: Caller, ref: str) -> None:
         """Remove the ref; its data stays until GC."""
-        self.store.delete_ref(_ref(ref))
+        self.store.delete_ref(self._check_image(caller, ref))
 
-    async def import_stream(self, ref: str, chunks: AsyncIterator[bytes], *,
+    def check_import(self, caller: Caller, ref: str, declared: str | None) -> None:
+        """Before a byte is read: the ref is not another team's (409) and the
+        declared size fits the team's stored-bytes quota (429)."""
+        try:
+            caller.check_may_replace(self.store.ref_owner(ref), f"image {ref}")
+        except NotFound:
+            pass
+        if self.config.team_limit(self.config.team_max_stored, caller.team) is not None:
+            adding = int(declared) if declared and declared.isdigit() else 0
+            check_quota(self.config, caller, setting="team_max_stored", used=self._stored_bytes(caller.team),
+                        adding=adding, unit=" bytes")
+
+    async def import_stream(self, caller: Caller, ref: str, chunks: AsyncIterator[bytes], *,
                             declared: str | None = None) -> m.ImportResult:
-        """Import a raw image sent as `chunks` as `ref` (already a valid NAME:TAG);
-        `declared` is the client's Content-Length, checked before reading."""
-        async with staged(chunks, directory=self._uploads, limit=self._max_upload, declared=declared) as path:
+        """Import a raw image sent as `chunks` as `ref` (already a valid NAME:TAG)
+        for the caller's team; `declared` is the client's Content-Length,
+        checked before reading."""
+        await anyio.to_thread.run_sync(lambda: self.check_import(caller, ref, declared))
+        async with staged(chunks, directory=self._uploads, limit=self.config.max_upload, declared=declared) as path:
             result = await anyio.to_thread.run_sync(
-                lambda: import_image(self.store, str(path), ref, annotations={"source": "api upload"}))
+                lambda: import_image(self.store, str(path), None, annotations={"source": "api upload"}))
+            await anyio.to_thread.run_sync(lambda: self._publish(caller, ref, result.manifest_id))
         return m.ImportResult(ref=ref, manifest=result.manifest_id, size=result.size, new_chunks=result.new_chunks,
                               new_stored_bytes=result.new_stored_bytes, seconds=round(result.seconds, 3))
+
+    def _publish(self, caller: Caller, ref: str, manifest_id: str) -> None:
+        try:  # checked again: another team may have taken the name during the upload
+            caller.check_may_replace(self.store.ref_owner(ref), f"image {ref}")
+        except NotFound:
+            pass
+        self.store.set_ref(ref, manifest_id, owner=caller.team)
 
     # chunks for peers ---------------------------------------------------------------------
     def chunk(self, digest: str) -> bytes:

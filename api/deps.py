@@ -7,7 +7,6 @@ without one (for the OpenAPI document).
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated
@@ -17,6 +16,7 @@ from fastapi.security import APIKeyHeader
 from starlette.exceptions import HTTPException
 
 from .node import Node
+from .teams import Caller, caller_of
 
 KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description="an API key (STRATA_API_KEYS)")
 
@@ -28,28 +28,25 @@ async def get_node(request: Request) -> Node:
 NodeDep = Annotated[Node, Depends(get_node)]
 
 
-def key_matches(given: str | None, keys: tuple[str, ...]) -> bool:
-    # compare against every key, constant-time each, so timing reveals nothing
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest((given or "").encode(), key.encode())
-    return ok and bool(given)
-
-
-async def api_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> None:
-    """Every route but /health: any API key (admin keys are API keys too)."""
-    if not key_matches(key, node.config.api_keys):
+async def api_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> Caller:
+    """Every route but /health: any API key (admin keys are API keys too);
+    the caller it names (its team, whether admin)."""
+    caller = caller_of(key, node.config)
+    if caller is None:
         raise HTTPException(401, "missing or invalid X-API-Key")
+    return caller
 
 
 async def admin_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> None:
     """/admin/*: an admin key; a plain API key is known but not allowed (403)."""
-    if not key_matches(key, node.config.admin_keys):
-        raise HTTPException(401 if not key_matches(key, node.config.api_keys) else 403, "an admin key is required")
+    caller = caller_of(key, node.config)
+    if caller is None or not caller.admin:
+        raise HTTPException(401 if caller is None else 403, "an admin key is required")
 
 
 AUTH = (Depends(api_key),)
 ADMIN = (Depends(admin_key),)
+CallerDep = Annotated[Caller, Depends(api_key)]
 
 
 @contextmanager

@@ -45,6 +45,8 @@ from .catalog import Catalog
 from .errors import Capacity
 from .maintenance import Maintenance
 from .metrics import Metrics
+from .teams import ADMIN, Caller, check_quota
+from .uploads import reap as reap_uploads
 
 log = logging.getLogger("strata.api")
 POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
@@ -72,15 +74,15 @@ class Node:
         self._pool_lock = threading.Lock()
         self._pool_retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
         self._capacity_lock = threading.Lock()
-        self._reserved: set[str] = set()  # ids of sandboxes being created
-        self.catalog = Catalog(store, memory_mib=config.sandbox_memory, uploads=Path(config.state_dir) / "uploads",
-                               max_upload=config.max_upload,
+        self._reserved: dict[str, str] = {}  # ids of sandboxes being created -> their team
+        self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
                                node_users=boxes.registry.snapshot_users)
         self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
         """Reconcile with what survived a restart, then start the reaper and pool threads."""
+        self._reap_leftovers()
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
         for record in self.boxes.registry.all():
@@ -97,6 +99,16 @@ class Node:
             thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _reap_leftovers(self) -> None:
+        """Files a killed server or writer left: partial uploads, store temp files."""
+        try:
+            uploads, tmp = reap_uploads(Path(self.config.state_dir) / "uploads"), self.store.reap_tmp()
+        except (OSError, StrataError) as exc:
+            log.error("removing leftover temp files: %s", exc)
+            return
+        if uploads or tmp:
+            log.info("removed %d partial upload(s) and %d store temp file(s) left by a crash", uploads, tmp)
 
     def stop(self) -> None:
         self._stop.set()
@@ -205,10 +217,12 @@ class Node:
             raise InvalidInput(f"timeout {timeout} s is outside 1..{int(self.config.max_timeout)} s")
         return float(timeout)
 
-    def source(self, template_id: str) -> Source:
-        """A template name, or an image NAME:TAG, as what to boot or restore."""
+    def source(self, template_id: str, caller: Caller = ADMIN) -> Source:
+        """A template name, or an image NAME:TAG, as what to boot or restore
+        (another team's is unknown)."""
         if ":" in template_id:
             ref = str(parse_ref(template_id))
+            caller.check_sees(self.store.ref_owner(ref), f"image {ref} not found in {self.store.describe()}")
             self.store.resolve(ref)
             return Source(template_id, "image", ref)
         try:
@@ -216,10 +230,12 @@ class Node:
         except InvalidInput:
             raise NotFound(f"template {template_id!r} not found") from None
         template = self.store.get_template(template_id)
+        caller.check_sees(template.owner, f"template {template_id} not found in {self.store.describe()}")
         return Source(template_id, template.kind, template.target)
 
-    def record(self, sid: str) -> SandboxRecord:
-        """The client-visible sandbox `sid` (ids that cannot exist are simply unknown)."""
+    def record(self, sid: str, caller: Caller = ADMIN) -> SandboxRecord:
+        """The client-visible sandbox `sid` (ids that cannot exist, and
+        another team's sandboxes, are simply unknown)."""
         try:
             record = self.boxes.registry.load(sid)
         except InvalidInput:
@@ -228,30 +244,37 @@ class Node:
             raise NotFound(f"sandbox {sid} not found") from None
         if POOL_KEY in record.metadata:
             raise NotFound(f"sandbox {sid} not found")
+        caller.check_sees(record.team, f"sandbox {sid} not found")
         return record
 
-    def records(self) -> list[SandboxRecord]:
-        return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
+    def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
+        return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata and caller.sees(r.team)]
 
     @contextmanager
-    def _capacity(self, sids: list[str]) -> Iterator[None]:
+    def _capacity(self, sids: list[str], caller: Caller = ADMIN) -> Iterator[None]:
         """Hold places for `sids` while they are created, so concurrent
-        creates cannot overshoot the limit between the check and the record."""
+        creates cannot overshoot the node's limit, or the caller's team's,
+        between the check and the record."""
         with self._capacity_lock:
-            held = {r.sid for r in self.records()} | self._reserved
+            records = self.records()
+            held = {r.sid for r in records} | set(self._reserved)
             if len(held) + len(sids) > self.config.max_sandboxes:
                 raise Capacity(f"this node holds {len(held)} sandboxes; the limit is {self.config.max_sandboxes}")
-            self._reserved.update(sids)
+            team = {r.sid for r in records if r.team == caller.team}
+            team |= {sid for sid, owner in self._reserved.items() if owner == caller.team}
+            check_quota(self.config, caller, setting="team_max_sandboxes", used=len(team), adding=len(sids))
+            self._reserved.update(dict.fromkeys(sids, caller.team))
         try:
             yield
         finally:
             with self._capacity_lock:
-                self._reserved.difference_update(sids)
+                for sid in sids:
+                    self._reserved.pop(sid, None)
 
     def _start(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
-               auto_pause: bool) -> SandboxRecord:
+               auto_pause: bool, team: str = ADMIN.team) -> SandboxRecord:
         lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
-                    "auto_pause": auto_pause}
+                    "auto_pause": auto_pause, "team": team}
         if source.kind == "image":
             with self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
@@ -260,48 +283,49 @@ class Node:
             return self.boxes.restore(source.target, sid=sid, metadata=metadata, **lifetime).record
 
     # lifecycle ---------------------------------------------------------------------------
-    def create(self, template_id: str, *, timeout: int | None, auto_pause: bool,
+    def create(self, caller: Caller, template_id: str, *, timeout: int | None, auto_pause: bool,
                metadata: dict[str, str]) -> SandboxRecord:
         ttl = self._ttl(timeout)
         if POOL_KEY in metadata:
             raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
-        source = self.source(template_id)
+        source = self.source(template_id, caller)
         sid = new_sid()
-        with self._capacity([sid]):
+        with self._capacity([sid], caller):
             pooled = self._take_from_pool(template_id) if template_id in self.config.warm_pool else None
             if pooled is not None:
                 with self.vmm("create"):
                     self.boxes.resume(pooled.sid)
                 self.metrics.pool_hits.inc()
-                return self.boxes.update(pooled.sid, metadata=metadata, template=template_id,
+                return self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
                                          end_at=time.time() + ttl, auto_pause=auto_pause)  # type: ignore[operator]
-            return self._start(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause)
+            return self._start(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
+                               team=caller.team)
 
-    def kill(self, sid: str) -> None:
-        self.record(sid)
+    def kill(self, caller: Caller, sid: str) -> None:
+        self.record(sid, caller)
         with self.vmm("kill"):
             self.boxes.kill(sid)
 
-    def pause(self, sid: str) -> str:
+    def pause(self, caller: Caller, sid: str) -> str:
         """E2B's pause: snapshot to the store and free the VM (Conflict if already paused)."""
-        if self.record(sid).state == "suspended":
+        if self.record(sid, caller).state == "suspended":
             raise Conflict(f"sandbox {sid} is already paused")
         with self.vmm("pause"):
             return self.boxes.suspend(sid)
 
-    def resume(self, sid: str, timeout: int | None) -> SandboxRecord:
-        record = self.record(sid)
+    def resume(self, caller: Caller, sid: str, timeout: int | None) -> SandboxRecord:
+        record = self.record(sid, caller)
         if record.state != "suspended":
             raise Conflict(f"sandbox {sid} is already running")
         ttl = self._ttl(timeout)
         with self.vmm("resume"):
             return self.boxes.wake(sid, end_at=time.time() + ttl).record  # type: ignore[operator]
 
-    def connect(self, sid: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+    def connect(self, caller: Caller, sid: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
         """Running: extend the TTL if `timeout` reaches further (200). Paused: resume (201)."""
-        record = self.record(sid)
+        record = self.record(sid, caller)
         if record.state == "suspended":
-            return self.resume(sid, timeout), True
+            return self.resume(caller, sid, timeout), True
         ttl = self._ttl(timeout)
         end = max(record.end_at or 0.0, time.time() + ttl)  # type: ignore[operator]
         if record.state == "paused":  # vCPUs stopped by an operator: continue them
@@ -309,35 +333,36 @@ class Node:
                 self.boxes.resume(sid)
         return self.boxes.update(sid, end_at=end), False
 
-    def set_timeout(self, sid: str, timeout: int) -> None:
-        self.record(sid)
+    def set_timeout(self, caller: Caller, sid: str, timeout: int) -> None:
+        self.record(sid, caller)
         ttl = self._ttl(timeout)
         self.boxes.update(sid, end_at=time.time() + ttl)  # type: ignore[operator]
 
-    def refresh(self, sid: str, duration: int | None) -> None:
-        record = self.record(sid)
+    def refresh(self, caller: Caller, sid: str, duration: int | None) -> None:
+        record = self.record(sid, caller)
         duration = 60 if duration is None else duration
         if not 0 <= duration <= 3600:
             raise InvalidInput(f"duration {duration} s is outside 0..3600 s")
         self.boxes.update(sid, end_at=max(record.end_at or 0.0, time.time() + duration))
 
-    def fork(self, sid: str, count: int, timeout: int | None) -> list[SandboxRecord]:
+    def fork(self, caller: Caller, sid: str, count: int, timeout: int | None) -> list[SandboxRecord]:
         if not 1 <= count <= MAX_FORKS:
             raise InvalidInput(f"fork count {count} is outside 1..{MAX_FORKS}")
-        record = self.record(sid)
+        record = self.record(sid, caller)
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it before forking")
         ttl = self._ttl(timeout)
         names = [new_sid() for _ in range(count)]
-        with self._capacity(names), self.vmm("fork"):
-            forks = self.boxes.fork(sid, count, names=names, template=record.template,
+        with self._capacity(names, Caller(record.team)), self.vmm("fork"):
+            forks = self.boxes.fork(sid, count, names=names, template=record.template, team=record.team,
                                     end_at=time.time() + ttl, auto_pause=record.auto_pause)  # type: ignore[operator]
         return [f.record for f in forks]
 
-    def snapshot(self, sid: str, name: str | None) -> tuple[str, list[str]]:
-        record = self.record(sid)
+    def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:
+        record = self.record(sid, caller)
         if name is not None:
-            check_template_name(name)
+            self.catalog.check_template_free(caller, name)
+        self.catalog.check_snapshot_quota(Caller(record.team))
         if record.state == "suspended":
             snapshot_id = record.last_snapshot
             assert snapshot_id is not None
@@ -347,11 +372,11 @@ class Node:
         if name is not None:
             from layerstore.templates import new_template
 
-            self.store.put_template(new_template(name, "snapshot", snapshot_id))
+            self.store.put_template(new_template(name, "snapshot", snapshot_id, owner=record.team))
         return snapshot_id, [name] if name else []
 
-    def exec(self, sid: str, command: str, timeout: float):  # noqa: ANN201
-        self.record(sid)
+    def exec(self, caller: Caller, sid: str, command: str, timeout: float):  # noqa: ANN201
+        self.record(sid, caller)
         if not 1 <= timeout <= 3600:
             raise InvalidInput(f"timeout {timeout} s is outside 1..3600 s")
         with self.vmm("exec"):
@@ -374,20 +399,21 @@ class Node:
         except OSError:
             return 0
 
-    def list_sandboxes(self, *, metadata: dict[str, str], states: frozenset[str]) -> list[m.ListedSandbox]:
-        """E2B's GET /sandboxes: the selected sandboxes in registry order, unpaged."""
+    def list_sandboxes(self, caller: Caller, *, metadata: dict[str, str],
+                       states: frozenset[str]) -> list[m.ListedSandbox]:
+        """E2B's GET /sandboxes: the caller's selected sandboxes in registry order, unpaged."""
         return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r))
-                for r in listing.select(self.records(), metadata=metadata, states=states)]
+                for r in listing.select(self.records(caller), metadata=metadata, states=states)]
 
-    def list_sandboxes_page(self, *, metadata: dict[str, str], states: frozenset[str], order: str, limit: int,
-                            token: str | None) -> tuple[list[m.ListedSandbox], str | None]:
+    def list_sandboxes_page(self, caller: Caller, *, metadata: dict[str, str], states: frozenset[str], order: str,
+                            limit: int, token: str | None) -> tuple[list[m.ListedSandbox], str | None]:
         """E2B's GET /v2/sandboxes: one page by start time, and the next page's token."""
-        rows, next_token = listing.page(listing.select(self.records(), metadata=metadata, states=states),
+        rows, next_token = listing.page(listing.select(self.records(caller), metadata=metadata, states=states),
                                         order=order, limit=limit, token=token)
         return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r)) for r in rows], next_token
 
-    def sandbox_detail(self, sid: str) -> m.SandboxDetail:
-        record = self.record(sid)
+    def sandbox_detail(self, caller: Caller, sid: str) -> m.SandboxDetail:
+        record = self.record(sid, caller)
         return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record))
 
     def all_records(self) -> list[dict]:
@@ -415,7 +441,7 @@ class Node:
         reply = self.cache_stats()
         return m.CacheStats.model_validate({**reply.counters(), "sources": reply.sources})
 
-    def health(self) -> m.Health:
+    def health(self, caller: Caller = ADMIN) -> m.Health:
         """Degraded when the mount daemon does not answer: sandboxes cannot start or resume."""
         try:
             self.mount_ping()
@@ -423,4 +449,4 @@ class Node:
         except StrataError:
             mounted = False
         return m.Health(status="ok" if mounted else "degraded", store=self.store.describe(), mount=mounted,
-                        sandboxes=len(self.records()))
+                        sandboxes=len(self.records(caller)))

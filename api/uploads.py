@@ -25,6 +25,16 @@ from .errors import TooLarge
 BLOCK = 1 << 20
 
 
+def reap(directory: Path) -> int:
+    """Remove upload files a killed server left behind (called at start,
+    when no upload of this node is in flight). Returns how many."""
+    removed = 0
+    for leftover in directory.glob(".upload-*") if directory.is_dir() else ():
+        leftover.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 @asynccontextmanager
 async def staged(chunks: AsyncIterator[bytes], *, directory: Path, limit: int,
                  declared: str | None = None) -> AsyncIterator[Path]:

@@ -24,6 +24,7 @@ API keys are secrets: they come from the environment only
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -91,14 +92,40 @@ def _choice(*choices: str) -> Callable[[str], str]:
 PLACEHOLDERS = ("REPLACE-ME", "CHANGE-ME")  # what deploy/'s examples put where a key goes
 
 
-def _keys(text: str) -> tuple[str, ...]:
-    keys = tuple(k.strip() for k in str(text).split(",") if k.strip())
-    if any(len(k) < 8 for k in keys):
-        raise ValueError("every key must be at least 8 characters")
-    if any(mark in k.upper() for k in keys for mark in PLACEHOLDERS):
-        raise ValueError("a key is still a placeholder from the examples (REPLACE-ME, CHANGE-ME): "
-                         "generate one, e.g. `openssl rand -hex 24`")
-    return keys
+DEFAULT_TEAM = "default"  # the team of a bare KEY, and the owner of anything recorded before teams
+TEAM_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def _keys(text: str) -> tuple[tuple[str, str], ...]:
+    """`TEAM:KEY,KEY,...` -> ((team, key), ...); a bare KEY is team `default`."""
+    entries = []
+    for item in (k.strip() for k in str(text).split(",") if k.strip()):
+        team, sep, key = item.partition(":")
+        if not sep:
+            team, key = DEFAULT_TEAM, item
+        if not TEAM_RE.fullmatch(team):
+            raise ValueError(f"{team!r} is not a team name (TEAM:KEY; a team is 1-32 of a-z, 0-9, '-', '_')")
+        if len(key) < 8:
+            raise ValueError("every key must be at least 8 characters")
+        if any(mark in key.upper() for mark in PLACEHOLDERS):
+            raise ValueError("a key is still a placeholder from the examples (REPLACE-ME, CHANGE-ME): "
+                             "generate one, e.g. `openssl rand -hex 24`")
+        entries.append((team, key))
+    return tuple(entries)
+
+
+def _team_limits(parse: Callable[[str], int]) -> Callable[[str], dict[str, int]]:
+    """`TEAM=N,...,*=N` (`*`: every team not named) -> {team: N}; empty: no limit."""
+    def limits(text: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for item in (p.strip() for p in str(text).split(",") if p.strip()):
+            team, sep, value = item.partition("=")
+            if not sep or not (team == "*" or TEAM_RE.fullmatch(team)):
+                raise ValueError(f"{item!r} is not TEAM=N (or *=N for every other team)")
+            out[team] = parse(value.strip())
+        return out
+
+    return limits
 
 
 def _pool(text: str) -> dict[str, int]:
@@ -184,10 +211,19 @@ class NodeConfig:
     console_log_limit: int = _setting("4M", parse_bytes, "size at which a sandbox's console log is rotated "
                                                           "(one previous file kept)")
     warm_pool: dict[str, int] = _setting("", _pool, "pre-restored paused sandboxes per template: NAME=N,...")
-    api_keys: tuple[str, ...] = _setting("", _keys, "API keys (X-API-Key), comma-separated; environment only",
-                                         secret=True)
-    admin_keys: tuple[str, ...] = _setting("", _keys, "admin keys (also API keys), comma-separated; environment "
-                                                      "only", secret=True)
+    api_keys: tuple[tuple[str, str], ...] = _setting("", _keys, "API keys (X-API-Key), comma-separated, each "
+                                                                "TEAM:KEY or KEY (team default); environment "
+                                                                "only", secret=True)
+    admin_keys: tuple[tuple[str, str], ...] = _setting("", _keys, "admin keys (also API keys; see every team), "
+                                                                  "comma-separated, TEAM:KEY or KEY; environment "
+                                                                  "only", secret=True)
+    team_max_sandboxes: dict[str, int] = _setting("", _team_limits(_positive), "sandboxes (running + paused) a "
+                                                                               "team holds at most: TEAM=N,*=N")
+    team_max_snapshots: dict[str, int] = _setting("", _team_limits(_positive), "snapshots a team's objects keep "
+                                                                               "at most: TEAM=N,*=N")
+    team_max_stored: dict[str, int] = _setting("", _team_limits(parse_bytes), "bytes a team's images and "
+                                                                              "snapshots store at most: "
+                                                                              "TEAM=SIZE,*=SIZE")
     s3_endpoint: str = _setting("", _text, "S3 endpoint URL (empty: AWS)")
     s3_region: str = _setting("", _text, "S3 region")
     s3_path_style: str = _setting("", _choice("true", "false", ""), "path-style S3 addressing")
@@ -224,6 +260,10 @@ class NodeConfig:
         if values["sandbox_timeout"] > values["max_timeout"]:
             raise InvalidInput("config: STRATA_SANDBOX_TIMEOUT is longer than STRATA_MAX_TIMEOUT")
         return cls(**values)
+
+    def team_limit(self, limits: Mapping[str, int], team: str) -> int | None:
+        """A team's entry of one of the team_max_* settings (None: no limit)."""
+        return limits.get(team, limits.get("*"))
 
     @property
     def values(self) -> dict[str, Any]:

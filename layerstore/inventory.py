@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .config import DEFAULT_TEAM
 from .digest import is_digest
 from .errors import Conflict, NotFound, StrataError
 from .store import Store
@@ -72,22 +73,28 @@ def snapshot_users(store: Store, node_users: Mapping[str, list[str]]) -> dict[st
     return users
 
 
-def list_snapshots(store: Store, *, sandbox: str | None = None, name: str | None = None) -> list[SnapshotSummary]:
-    """Every snapshot, optionally only those of one sandbox or named by one template."""
+def list_snapshots(store: Store, *, sandbox: str | None = None, name: str | None = None,
+                   team: str | None = None) -> list[SnapshotSummary]:
+    """Every snapshot, optionally only those of one sandbox, named by one
+    template, or annotated with one team (none: team `default`)."""
     names = {sid: [u.split(" ", 1)[1] for u in users] for sid, users in template_users(store).items()}
     out = []
     for snapshot_id in store.list_snapshots():
         if name is not None and name not in names.get(snapshot_id, []):
             continue
-        if sandbox is not None and _sandbox_of(store, snapshot_id) != sandbox:
-            continue
+        if sandbox is not None or team is not None:
+            notes = _annotations(store, snapshot_id)
+            if notes is None or sandbox is not None and notes.get("sandbox") != sandbox:
+                continue
+            if team is not None and notes.get("team", DEFAULT_TEAM) != team:
+                continue
         out.append(SnapshotSummary(snapshot_id, names.get(snapshot_id, [])))
     return out
 
 
-def _sandbox_of(store: Store, snapshot_id: str) -> str | None:
+def _annotations(store: Store, snapshot_id: str) -> Mapping[str, str] | None:
     try:
-        return store.get_snapshot(snapshot_id).annotations.get("sandbox")
+        return store.get_snapshot(snapshot_id).annotations
     except StrataError:
         return None
 

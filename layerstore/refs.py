@@ -2,7 +2,8 @@
 
 A ref is stored as a small JSON object under
 
-    refs/<NAME>/<TAG>      {"manifest": "<64 hex>", "updated": <unix seconds>}
+    refs/<NAME>/<TAG>      {"manifest": "<64 hex>", "updated": <unix seconds>,
+                            "owner": "<team>"}     (optional: who may change it)
 
 Names and tags become path components and object keys, so they are held to a
 strict alphabet: a letter or digit, then letters, digits, `.`, `_`, `-`, at
@@ -71,11 +72,23 @@ def ref_from_key(key: str) -> Ref | None:
     return Ref(parts[1], parts[2])
 
 
-def encode_ref_target(manifest_id: str, *, now: float | None = None) -> bytes:
-    """The stored body of a ref pointing at `manifest_id`."""
+def encode_ref_target(manifest_id: str, *, now: float | None = None, owner: str = "") -> bytes:
+    """The stored body of a ref pointing at `manifest_id` (owned by `owner`, if given)."""
     check_digest(manifest_id, what="manifest id")
-    body = {"manifest": manifest_id, "updated": int(time.time() if now is None else now)}
+    body: dict[str, object] = {"manifest": manifest_id, "updated": int(time.time() if now is None else now)}
+    if owner:
+        body["owner"] = owner
     return json.dumps(body, sort_keys=True).encode()
+
+
+def decode_ref_owner(blob: bytes) -> str:
+    """The owner recorded in a stored ref body ("" if none, or unreadable:
+    decode_ref_target reports that)."""
+    try:
+        owner = json.loads(blob).get("owner", "")
+    except (ValueError, AttributeError):
+        return ""
+    return owner if isinstance(owner, str) else ""
 
 
 def decode_ref_target(ref: Ref, blob: bytes) -> tuple[str, int]:

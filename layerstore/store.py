@@ -57,7 +57,7 @@ from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
 from .readthrough import Fallback, ReadThroughBackend
-from .refs import REF_PREFIX, Ref, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
+from .refs import REF_PREFIX, Ref, decode_ref_owner, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
 from .templates import Template, parse_template, template_key
 
@@ -103,6 +103,13 @@ class Store:
         self.catalog = catalog
         self.level = level
         self.read_path = read_path or chunk_read_path(backend)
+
+    def reap_tmp(self) -> int:
+        """Remove temp files that writers which crashed left in a local store
+        (older than a day, so a live writer's are never touched); S3 has
+        none (a PUT is whole or absent). Returns how many were removed."""
+        inner = getattr(self.backend, "inner", self.backend)
+        return inner.reap_tmp() if isinstance(inner, LocalDirBackend) else 0
 
     @property
     def sources(self) -> collections.Counter[str]:
@@ -344,14 +351,23 @@ class Store:
         manifest_id, _ = decode_ref_target(ref, blob)
         return manifest_id
 
-    def set_ref(self, ref: Ref | str, manifest_id: str) -> None:
-        """Point a ref at an existing manifest."""
+    def set_ref(self, ref: Ref | str, manifest_id: str, *, owner: str = "") -> None:
+        """Point a ref at an existing manifest (recording `owner`, an opaque
+        label the API uses for teams)."""
         ref = parse_ref(ref) if isinstance(ref, str) else ref
         check_digest(manifest_id, what="manifest id")
         if self.backend.stat(manifest_key(manifest_id)) is None:
             raise NotFound(f"cannot tag {ref}: manifest {manifest_id} is not in {self.describe()}")
-        self.backend.put(ref.key, encode_ref_target(manifest_id))
+        self.backend.put(ref.key, encode_ref_target(manifest_id, owner=owner))
         self.catalog.set_ref(str(ref), manifest_id)
+
+    def ref_owner(self, ref: Ref | str) -> str:
+        """The owner recorded with a ref ("" if none; NotFound if no such ref)."""
+        ref = parse_ref(ref) if isinstance(ref, str) else ref
+        try:
+            return decode_ref_owner(self.backend.get(ref.key))
+        except NotFound:
+            raise NotFound(f"image {ref} not found in {self.describe()}") from None
 
     def delete_ref(self, ref: Ref | str) -> str:
         """Remove a ref; returns the manifest it pointed at. Chunks stay until GC."""

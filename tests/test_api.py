@@ -284,6 +284,45 @@ def test_gc_keeps_what_running_and_paused_sandboxes_need(server: NodeServer) -> 
         assert c.delete(f"/sandboxes/{sid}").status_code == 204
 
 
+def test_snapshots_nothing_needs_are_deleted_and_gc_reclaims_them(server: NodeServer) -> None:
+    """A pause's snapshot is deleted when the next pause supersedes it and
+    when the sandbox is killed; a snapshot asked for (and a fork's origin
+    while forks live) is kept; GC then reclaims the chunks."""
+    c, admin = server.client, server.admin
+
+    sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+
+    def snapshots() -> set[str]:  # the sandbox's own (a fork's origin is its sandbox's too)
+        return {s["snapshotID"] for s in admin.get("/snapshots", params={"sandboxID": sid}).json()}
+
+    run(server, sid, "head -c 3000000 /dev/urandom > /root/noise; sync")
+    asked = c.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
+    assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+    first = c.get(f"/sandboxes/{sid}").json()  # E2B's detail does not name the snapshot: ask the store
+    first_pause = snapshots() - {asked}
+    assert first["state"] == "paused" and len(first_pause) == 1
+    assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 201
+    run(server, sid, "head -c 3000000 /dev/urandom > /root/noise2; sync")
+    assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+    second_pause = snapshots() - {asked}
+    assert not second_pause & first_pause and len(second_pause) == 1  # superseded: deleted
+    assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 201
+    forks = [f["sandbox"]["sandboxID"] for f in c.post(f"/sandboxes/{sid}/fork", json={"count": 1}).json()]
+    origin = snapshots() - {asked} - second_pause
+    assert len(origin) == 1
+    assert c.delete(f"/sandboxes/{sid}").status_code == 204
+    assert snapshots() == {asked} | origin  # the fork still needs its origin; the pause's is gone
+    assert c.delete(f"/sandboxes/{forks[0]}").status_code == 204
+    assert snapshots() == {asked}  # what the user asked for stays until they delete it
+    assert c.delete(f"/snapshots/{asked}").status_code == 204
+    reclaimed = 0
+    for _ in range(2):  # two phases, no grace
+        r = admin.post("/admin/gc", json={"grace": "0s"})
+        assert r.status_code == 200, r.text
+        reclaimed += r.json()["freed_bytes"]
+    assert reclaimed > 3_000_000  # at least the noise the pauses sealed
+
+
 def test_capacity_limit_holds_under_concurrent_creates(server: NodeServer) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -28,7 +28,7 @@ class StandIn:
     """The Node methods the routes under test call, and nothing else."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(api_keys=(KEY, ADMIN), admin_keys=(ADMIN,))
+        self.config = SimpleNamespace(api_keys=(("default", KEY), ("ops", ADMIN)), admin_keys=(("ops", ADMIN),))
         self.metrics = Metrics()
         self.vmm_seconds = 0.0
 
@@ -36,21 +36,21 @@ class StandIn:
         taken, self.vmm_seconds = self.vmm_seconds, 0.0
         return taken
 
-    def create(self, template_id: str, **_: object) -> SandboxRecord:
+    def create(self, _caller: object, template_id: str, **_: object) -> SandboxRecord:
         if template_id == "full":
             raise Capacity("this node holds 2 sandboxes; the limit is 2")
         self.vmm_seconds = 0.25
         return _record("sb1", time.time())
 
-    def kill(self, sid: str) -> None:
+    def kill(self, _caller: object, sid: str) -> None:
         raise NotFound(f"sandbox {sid} not found")
 
-    def health(self):  # noqa: ANN201
+    def health(self, _caller: object = None):  # noqa: ANN201
         from api import models as m
 
         return m.Health(status="ok", store="s3://bucket/secret-prefix", mount=True, sandboxes=3)
 
-    def list_sandboxes_page(self, *, limit: int, token: str | None, **_: object) -> tuple[list, str | None]:
+    def list_sandboxes_page(self, _caller: object, *, limit: int, token: str | None, **_: object) -> tuple[list, str | None]:
         from api import listing, models as m
 
         rows, next_token = listing.page([_record(f"sb{i}", 1000.0 + i) for i in range(3)], order="desc",

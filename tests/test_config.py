@@ -32,7 +32,7 @@ def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
     c = NodeConfig.load({"STRATA_CONFIG": str(config), "STRATA_PORT": "9100", "STRATA_API_KEYS": "k" * 8,
                          "STRATA_ADMIN_KEYS": "a" * 8, "STRATA_STATE_DIR": str(tmp_path)})
     assert c.store == "/srv/store" and c.port == 9100 and c.warm_pool == {"base": 2, "other": 1}
-    assert c.api_keys == ("k" * 8, "a" * 8) and c.admin_keys == ("a" * 8,)
+    assert c.api_keys == (("default", "k" * 8), ("default", "a" * 8)) and c.admin_keys == (("default", "a" * 8),)
     assert c.mount == tmp_path / "mnt" and c.s3_path_style == "true"
     assert NodeConfig.load({"STRATA_CONFIG": str(config)}, port=9200).port == 9200
     (tmp_path / "empty.toml").write_text("")
@@ -45,6 +45,11 @@ def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
     ({"STRATA_SANDBOX_TIMEOUT": "soon"}, "STRATA_SANDBOX_TIMEOUT"), ({"STRATA_VMM": "xen"}, "STRATA_VMM"),
     ({"STRATA_API_KEYS": "short"}, "STRATA_API_KEYS"), ({"STRATA_WARM_POOL": "base"}, "STRATA_WARM_POOL"),
     ({"STRATA_API_KEYS": "good-key-123,REPLACE-ME-api-key-1"}, "STRATA_API_KEYS: a key is still a placeholder"),
+    ({"STRATA_API_KEYS": "Team A:key-12345678"}, "'Team A' is not a team name"),
+    ({"STRATA_API_KEYS": "ops:short"}, "at least 8 characters"),
+    ({"STRATA_TEAM_MAX_SANDBOXES": "ops"}, "STRATA_TEAM_MAX_SANDBOXES: 'ops' is not TEAM=N"),
+    ({"STRATA_TEAM_MAX_SANDBOXES": "ops=0"}, "must be at least 1"),
+    ({"STRATA_TEAM_MAX_STORED": "ops=lots"}, "STRATA_TEAM_MAX_STORED"),
     ({"STRATA_ADMIN_KEYS": "dev-admin-key-change-me"}, "STRATA_ADMIN_KEYS: a key is still a placeholder"),
     ({"STRATA_SANDBOX_TIMEOUT": "2d"}, "longer than STRATA_MAX_TIMEOUT"), ({"STRATA_STORE": None}, "store is required"),
 ])
@@ -65,3 +70,17 @@ def test_bad_files(tmp_path: Path) -> None:
             NodeConfig.load({"STRATA_CONFIG": str(config), "STRATA_STORE": "/s"})
     with pytest.raises(InvalidInput, match="does not exist"):
         NodeConfig.load({"STRATA_CONFIG": str(tmp_path / "missing.toml"), "STRATA_STORE": "/s"})
+
+
+def test_keys_belong_to_teams_and_quotas_are_per_team(tmp_path: Path) -> None:
+    (tmp_path / "empty.toml").write_text("")
+    c = NodeConfig.load({"STRATA_STORE": "/s", "STRATA_CONFIG": str(tmp_path / "empty.toml"),
+                         "STRATA_API_KEYS": "alpha:key-of-alpha-1, bare-key-0001,beta-2:key:with:colons",
+                         "STRATA_ADMIN_KEYS": "ops:admin-key-0001",
+                         "STRATA_TEAM_MAX_SANDBOXES": "alpha=2,*=5", "STRATA_TEAM_MAX_STORED": "beta-2=1G"})
+    assert c.api_keys == (("alpha", "key-of-alpha-1"), ("default", "bare-key-0001"),
+                          ("beta-2", "key:with:colons"), ("ops", "admin-key-0001"))
+    assert c.admin_keys == (("ops", "admin-key-0001"),)
+    assert c.team_limit(c.team_max_sandboxes, "alpha") == 2 and c.team_limit(c.team_max_sandboxes, "zeta") == 5
+    assert c.team_limit(c.team_max_stored, "beta-2") == 1 << 30 and c.team_limit(c.team_max_stored, "alpha") is None
+    assert c.team_limit(c.team_max_snapshots, "alpha") is None

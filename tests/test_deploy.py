@@ -247,7 +247,7 @@ def test_staged_config_and_keys_validate(staged: tuple[Path, subprocess.Complete
     assert node.store == "/var/lib/strata/store"
     assert (node.host, node.port) == ("127.0.0.1", PORT)
     assert node.state_dir == Path("/var/lib/strata") and node.guest_dir == Path("/var/lib/strata/guest")
-    assert set(node.api_keys) == {secrets["STRATA_API_KEYS"], secrets["STRATA_ADMIN_KEYS"]}
+    assert {key for _team, key in node.api_keys} == {secrets["STRATA_API_KEYS"], secrets["STRATA_ADMIN_KEYS"]}
 
 
 def test_keys_are_generated_per_install(tmp_path: Path) -> None:

@@ -212,6 +212,7 @@ def test_serve_killed_mid_upload_publishes_all_or_nothing(tmp_path: Path, rng: r
             upload.wait(timeout=60)
             fault_ledger["faults injected"] += 1
             node.start()
+            assert not list((tmp_path / "state" / "uploads").glob(".upload-*")), "a killed upload's file was kept"
             listed = [row["ref"] for row in node.client.get("/images").json()]
             if f"up:v{attempt}" in listed:
                 assert _read_back(store["STRATA_STORE"], store, f"up:v{attempt}", tmp_path / "out") == data

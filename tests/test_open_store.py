@@ -47,3 +47,17 @@ def test_node_config_gives_open_store_its_settings(tmp_path: Path) -> None:
                                       "remote": "s3://b/p", "peers": ("http://a:1", "http://b:2"),
                                       "peer_key": "secret-key", "state_dir": tmp_path}
     assert config.store_options(own=False)["remote"] == "" and config.store_options(own=False)["peers"] == ()
+
+
+def test_reap_tmp_removes_only_what_crashed_writers_left(tmp_path: Path) -> None:
+    import os
+    import time
+
+    with open_store(str(tmp_path / "s")) as store:
+        tmp = next(p for p in (tmp_path / "s").rglob("tmp") if p.is_dir())  # the local backend's temp dir
+        old, fresh = tmp / "old.part", tmp / "fresh.part"
+        old.write_bytes(b"x")
+        fresh.write_bytes(b"y")
+        os.utime(old, (time.time() - 2 * 86400,) * 2)
+        assert store.reap_tmp() == 1
+        assert not old.exists() and fresh.exists()  # a live writer's file is never touched

@@ -76,6 +76,7 @@ class SandboxRecord:
     # holder of the sandbox's lock that finds it set knows that operation's
     # process died midway and puts the VM back (Sandboxes._finish_interrupted).
     operation: str = ""
+    team: str = "default"  # the API's owning team (an opaque label to the VMM layer)
 
 
 def new_sid() -> str:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusefs.client import MountClient
+from layerstore import inventory
 from layerstore.errors import Conflict, InvalidInput, MissingChunk, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
@@ -301,17 +302,22 @@ class Sandboxes:
             self.registry.save(sandbox.record)
             return sandbox
 
-    def snapshot(self, sid: str, *, resume: bool | None = None) -> str:
+    def snapshot(self, sid: str, *, resume: bool | None = None, implicit: str = "") -> str:
         """Snapshot `sid` into the store; returns the snapshot id.
 
         The sandbox ends as it was (running or paused) unless `resume` says
         otherwise. Incremental: the seals of the RAM and disk upper layers
         hold only the chunks dirtied since the previous snapshot.
+
+        A snapshot someone asked for is kept until deleted. One taken for
+        the sandbox's own sake (`implicit` says why: "pause", "fork") is
+        deleted once nothing needs it (`_drop_if_unused`): when the
+        sandbox's next snapshot supersedes it, or the sandbox is killed.
         """
         with self._locked(sid):
-            return self._snapshot(sid, resume)
+            return self._snapshot(sid, resume, implicit=implicit)
 
-    def _snapshot(self, sid: str, resume: bool | None) -> str:
+    def _snapshot(self, sid: str, resume: bool | None, *, implicit: str = "") -> str:
         sandbox = self.get(sid)
         record = sandbox.record
         if resume is None:
@@ -320,20 +326,47 @@ class Sandboxes:
         self.registry.save(record)
         sandbox.vm.pause()
         try:
-            snapshot_id, timings = self._capture(sandbox)
+            snapshot_id, timings = self._capture(sandbox, implicit)
         except BaseException:
             self._after_failed_snapshot(sandbox, resume)
             raise
-        record.last_snapshot = snapshot_id
+        previous, record.last_snapshot = record.last_snapshot, snapshot_id
         if resume:
             sandbox.vm.resume()
         record.state = "running" if resume else "paused"
         record.operation = ""
         record.timings.update(timings)
         self.registry.save(record)
+        self._drop_if_unused(previous)
         return snapshot_id
 
-    def _capture(self, sandbox: Sandbox) -> tuple[str, dict[str, float]]:
+    def _drop_if_unused(self, snapshot_id: str | None) -> None:
+        """Delete `snapshot_id` if a sandbox took it for its own sake and
+        nothing needs it any more: not its sandbox (whose way back it is
+        while it is that record's last snapshot), no template, no other
+        record (restored from it, or waking from it). Its layers stay while
+        a running sandbox sits on them (GC's node roots); GC reclaims the
+        rest. A store that fails here fails nothing else: the caller's work
+        is done, and the snapshot is merely kept."""
+        if snapshot_id is None:
+            return
+        try:
+            notes = self.store.get_snapshot(snapshot_id).annotations
+            if not notes.get("implicit") or inventory.template_users(self.store).get(snapshot_id):
+                return
+            source = f"snapshot:{snapshot_id}"
+            if any(r.last_snapshot == snapshot_id or r.source == source for r in self.registry.all()):
+                return
+            self.store.delete_snapshot(snapshot_id)
+        except NotFound:  # deleted already
+            return
+        except StrataError as exc:
+            log.warning("kept snapshot %s, which nothing may need any more: %s", snapshot_id, exc)
+            return
+        log.info("deleted snapshot %s of sandbox %s (%s): nothing needs it any more", snapshot_id,
+                 notes.get("sandbox"), notes["implicit"])
+
+    def _capture(self, sandbox: Sandbox, implicit: str = "") -> tuple[str, dict[str, float]]:
         """Snapshot a paused sandbox: device state, dirty RAM and disk chunks
         sealed, the snapshot published. Returns its id and the step timings."""
         sid, record = sandbox.sid, sandbox.record
@@ -351,7 +384,7 @@ class Sandboxes:
             vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
                 "kernel": self._boot_layer("vmlinuz"), "initrd": self._boot_layer("initramfs.cpio.gz")},
             parent=self._existing_snapshot(record.last_snapshot),
-            annotations={"sandbox": sid},
+            annotations={"sandbox": sid, "team": record.team, **({"implicit": implicit} if implicit else {})},
         )
         snapshot_id = self.store.put_snapshot(snap)
         return snapshot_id, {"capture": t1 - t0, "seal": t2 - t1, "publish": time.monotonic() - t2}
@@ -417,7 +450,7 @@ class Sandboxes:
             record = self.registry.load(sid)
             if record.state == "suspended":
                 raise Conflict(f"sandbox {sid} is already paused")
-            snapshot_id = self._snapshot(sid, resume=False)
+            snapshot_id = self._snapshot(sid, resume=False, implicit="pause")
             self._stop(sid)
             record = self.registry.load(sid)
             record.state, record.pid, record.suspended_at = "suspended", None, time.time()
@@ -473,7 +506,7 @@ class Sandboxes:
         taken = [n for n in names if self.registry.exists(n)]
         if taken:
             raise InvalidInput(f"sandbox {taken[0]} already exists")
-        snapshot_id = self.snapshot(sid)
+        snapshot_id = self.snapshot(sid, implicit="fork")
         forks: list[Sandbox] = []
         try:
             for name in names:
@@ -490,9 +523,12 @@ class Sandboxes:
         the work directory. Closing the disk and RAM files releases the
         mount's cache pins."""
         with self._locked(sid):
-            self.registry.load(sid)  # NotFound for an unknown id
+            record = self.registry.load(sid)  # NotFound for an unknown id
             self._stop(sid)
             self.registry.remove(sid)  # releasing the lock then removes its file too
+            self._drop_if_unused(record.last_snapshot)
+            if record.source.startswith("snapshot:"):  # a fork's: its origin may be unneeded now
+                self._drop_if_unused(record.source.split(":", 1)[1])
 
     def _stop(self, sid: str) -> None:
         """Stop the VM (if any) and remove the disk and RAM upper layers (if any)."""

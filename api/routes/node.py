@@ -6,7 +6,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import models as m
-from ..deps import AUTH, KEY_HEADER, NodeDep, key_matches
+from ..deps import AUTH, KEY_HEADER, NodeDep
+from ..teams import caller_of
 
 router = APIRouter(tags=["node"])
 cache_router = APIRouter(tags=["cache"], dependencies=AUTH)
@@ -21,8 +22,9 @@ def openapi(request: Request) -> dict:
 @router.get("/health", response_model=m.Health, responses={503: {"model": m.Health}},
             description="Open to all; without a valid X-API-Key only `status` is shown (not what the node serves).")
 def health(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> JSONResponse:
-    body = node.health()
-    shown = body.model_dump() if key_matches(key, node.config.api_keys) else {"status": body.status}
+    caller = caller_of(key, node.config)
+    body = node.health(caller) if caller is not None else node.health()
+    shown = body.model_dump() if caller is not None else {"status": body.status}
     return JSONResponse(shown, status_code=200 if body.mount else 503)
 
 

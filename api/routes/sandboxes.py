@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Response
 
 from .. import models as m
-from ..deps import AUTH, NodeDep, vmm_timing
+from ..deps import AUTH, CallerDep, NodeDep, vmm_timing
 from ..listing import metadata_query, states_query
 
 router = APIRouter(tags=["sandboxes"], dependencies=AUTH)
@@ -19,27 +19,27 @@ NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
              summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
 @router.post("/sandboxes", status_code=201, response_model=m.Sandbox, operation_id="create_sandbox",
              summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
-def create(body: m.NewSandbox, response: Response, node: NodeDep) -> m.Sandbox:
+def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: CallerDep) -> m.Sandbox:
     with vmm_timing(node, response):
-        record = node.create(body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
+        record = node.create(caller, body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
                              metadata=body.metadata)
     return m.Sandbox.of(record)
 
 
 @router.get("/sandboxes", response_model=list[m.ListedSandbox])
-def list_running(node: NodeDep, metadata: str | None = METADATA) -> list[m.ListedSandbox]:
-    return node.list_sandboxes(metadata=metadata_query(metadata), states=frozenset({"running"}))
+def list_running(node: NodeDep, caller: CallerDep, metadata: str | None = METADATA) -> list[m.ListedSandbox]:
+    return node.list_sandboxes(caller, metadata=metadata_query(metadata), states=frozenset({"running"}))
 
 
 @router.get("/v2/sandboxes", response_model=list[m.ListedSandbox], responses=NEXT_TOKEN)
-def list_v2(response: Response, node: NodeDep,
+def list_v2(response: Response, node: NodeDep, caller: CallerDep,
             metadata: str | None = METADATA,
             state: str | None = Query(None, description="running,paused (default both)"),
             limit: int = Query(100, ge=1, le=100),
             nextToken: str | None = Query(None),
             order: str = Query("desc", pattern="^(asc|desc)$")) -> list[m.ListedSandbox]:
     wanted = metadata_query(metadata)
-    rows, next_token = node.list_sandboxes_page(metadata=wanted, states=states_query(state), order=order,
+    rows, next_token = node.list_sandboxes_page(caller, metadata=wanted, states=states_query(state), order=order,
                                                 limit=limit, token=nextToken)
     if next_token is not None:
         response.headers["X-Next-Token"] = next_token
@@ -47,33 +47,33 @@ def list_v2(response: Response, node: NodeDep,
 
 
 @router.get("/sandboxes/{sandboxID}", response_model=m.SandboxDetail)
-def get_sandbox(sandboxID: str, node: NodeDep) -> m.SandboxDetail:
-    return node.sandbox_detail(sandboxID)
+def get_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep) -> m.SandboxDetail:
+    return node.sandbox_detail(caller, sandboxID)
 
 
 @router.delete("/sandboxes/{sandboxID}", status_code=204)
-def kill_sandbox(sandboxID: str, node: NodeDep) -> Response:
+def kill_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep) -> Response:
     response = Response(status_code=204)
     with vmm_timing(node, response):
-        node.kill(sandboxID)
+        node.kill(caller, sandboxID)
     return response
 
 
 @router.post("/sandboxes/{sandboxID}/pause", status_code=204,
              summary="Snapshot the sandbox to the store and free its VM (409 if already paused)")
-def pause_sandbox(sandboxID: str, node: NodeDep, body: m.SandboxPauseRequest | None = None) -> Response:
+def pause_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep, body: m.SandboxPauseRequest | None = None) -> Response:
     response = Response(status_code=204)
     with vmm_timing(node, response):
-        node.pause(sandboxID)
+        node.pause(caller, sandboxID)
     return response
 
 
 @router.post("/sandboxes/{sandboxID}/resume", status_code=201, response_model=m.Sandbox,
              summary="Resume a paused sandbox (409 if running)")
-def resume_sandbox(sandboxID: str, response: Response, node: NodeDep,
+def resume_sandbox(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
                    body: m.ResumedSandbox | None = None) -> m.Sandbox:
     with vmm_timing(node, response):
-        record = node.resume(sandboxID, body.timeout if body else None)
+        record = node.resume(caller, sandboxID, body.timeout if body else None)
     return m.Sandbox.of(record)
 
 
@@ -84,37 +84,37 @@ CONNECT = dict(response_model=m.Sandbox,
 
 @router.post("/v2/sandboxes/{sandboxID}/connect", operation_id="connect_sandbox_v2", **CONNECT)
 @router.post("/sandboxes/{sandboxID}/connect", operation_id="connect_sandbox", **CONNECT)
-def connect(sandboxID: str, response: Response, node: NodeDep, body: m.ConnectSandbox | None = None) -> m.Sandbox:
+def connect(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep, body: m.ConnectSandbox | None = None) -> m.Sandbox:
     with vmm_timing(node, response):
-        record, resumed = node.connect(sandboxID, body.timeout if body else None)
+        record, resumed = node.connect(caller, sandboxID, body.timeout if body else None)
     response.status_code = 201 if resumed else 200
     return m.Sandbox.of(record)
 
 
 @router.post("/sandboxes/{sandboxID}/timeout", status_code=204)
-def set_timeout(sandboxID: str, body: m.SandboxTimeoutRequest, node: NodeDep) -> Response:
-    node.set_timeout(sandboxID, body.timeout)
+def set_timeout(sandboxID: str, body: m.SandboxTimeoutRequest, node: NodeDep, caller: CallerDep) -> Response:
+    node.set_timeout(caller, sandboxID, body.timeout)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandboxID}/refreshes", status_code=204)
-def refresh(sandboxID: str, node: NodeDep, body: m.SandboxRefreshRequest | None = None) -> Response:
-    node.refresh(sandboxID, body.duration if body else None)
+def refresh(sandboxID: str, node: NodeDep, caller: CallerDep, body: m.SandboxRefreshRequest | None = None) -> Response:
+    node.refresh(caller, sandboxID, body.duration if body else None)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandboxID}/fork", status_code=201, response_model=list[m.SandboxForkResult],
              response_model_exclude_none=True, summary="Snapshot once, start `count` independent copies (the source keeps running)")
-def fork(sandboxID: str, response: Response, node: NodeDep,
+def fork(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
          body: m.SandboxForkRequest | None = None) -> list[m.SandboxForkResult]:
     body = body or m.SandboxForkRequest()  # E2B's body is optional: one fork, the default lifetime
     with vmm_timing(node, response):
-        records = node.fork(sandboxID, body.count, body.timeout)
+        records = node.fork(caller, sandboxID, body.count, body.timeout)
     return [m.SandboxForkResult(sandbox=m.Sandbox.of(r)) for r in records]
 
 
 @router.post("/sandboxes/{sandboxID}/exec", response_model=m.ExecResult,
              summary="Strata: run a shell command in the sandbox through its agent")
-def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep) -> m.ExecResult:
-    result = node.exec(sandboxID, body.command, body.timeout)
+def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep, caller: CallerDep) -> m.ExecResult:
+    result = node.exec(caller, sandboxID, body.command, body.timeout)
     return m.ExecResult(exitCode=result.exit_code, output=result.output, truncated=result.dropped > 0)

@@ -1,0 +1,158 @@
+"""Teams on a real `strata serve` with a real TCG sandbox: another team's
+sandboxes, snapshots, templates and images are unknown (404, the same answer
+as a missing one) and cannot be taken over (409, nothing changes); admin keys
+see everything; per-team quotas answer 429 and create nothing; a schemathesis
+run with one team's key never answers 5xx and never shows the other team's
+objects."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import needs_qemu
+from tests.node_server import ADMIN_KEY, ROOT, NodeServer
+
+pytestmark = needs_qemu
+
+ALPHA, BETA = "alpha-key-0001", "beta-key-0001"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, guest: Path) -> Iterator[NodeServer]:
+    srv = NodeServer(tmp_path_factory.mktemp("teams"), guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA}",
+                     STRATA_ADMIN_KEYS=f"ops:{ADMIN_KEY}", STRATA_TEAM_MAX_SANDBOXES="alpha=1",
+                     STRATA_TEAM_MAX_SNAPSHOTS="alpha=1", STRATA_TEAM_MAX_STORED="beta=64M")
+    srv.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")  # the CLI's: team default
+    srv.start()
+    yield srv
+    srv.cleanup()
+
+
+def client(srv: NodeServer, key: str) -> httpx.Client:
+    return httpx.Client(base_url=srv.url, headers={"X-API-Key": key}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def alpha_world(node: NodeServer) -> dict[str, str]:
+    """What team alpha owns: an image and a template naming it. The image the
+    CLI imported (team default) is not alpha's to use."""
+    a = client(node, ALPHA)
+    assert a.put("/images/base:v1", content=b"alpha's disk image\n" * 4096).status_code == 201
+    assert a.post("/templates", json={"name": "boot", "image": "guest:v1"}).status_code == 404
+    assert a.post("/sandboxes", json={"templateID": "guest:v1"}).status_code == 404
+    assert a.post("/templates", json={"name": "base", "image": "base:v1"}).status_code == 201
+    return {"image": "base:v1", "template": "base", "manifest": a.get("/images/base:v1").json()["manifest"]}
+
+
+@pytest.fixture(scope="module")
+def alpha_sandbox(node: NodeServer, alpha_world: dict[str, str]) -> dict[str, str]:
+    """Alpha's running sandbox (booted from the guest rootfs uploaded with
+    alpha's key) with a file in it, and a named snapshot of it."""
+    a = client(node, ALPHA)
+    guest = (Path(node.env["STRATA_GUEST_DIR"]) / "rootfs.ext4").read_bytes()
+    assert a.put("/images/guest:alpha", content=guest).status_code == 201
+    r = a.post("/sandboxes", json={"templateID": "guest:alpha", "timeout": 600})
+    assert r.status_code == 201, r.text
+    sid = r.json()["sandboxID"]
+    assert a.post(f"/sandboxes/{sid}/exec", json={"command": "echo alpha > /root/mine; sync"}).status_code == 200
+    r = a.post(f"/sandboxes/{sid}/snapshots", json={"name": "alpha-snap"})
+    assert r.status_code == 201, r.text
+    return {**alpha_world, "sid": sid, "snapshot": r.json()["snapshotID"]}
+
+
+def test_another_teams_sandbox_is_unknown(node: NodeServer, alpha_sandbox: dict[str, str]) -> None:
+    b, sid = client(node, BETA), alpha_sandbox["sid"]
+    missing = b.get("/sandboxes/sb000000000000").json()["message"].replace("sb000000000000", sid)
+    assert b.get(f"/sandboxes/{sid}").json() == {"code": 404, "message": missing}  # no existence leak
+    for method, path, body in (("DELETE", f"/sandboxes/{sid}", None), ("POST", f"/sandboxes/{sid}/pause", None),
+                               ("POST", f"/sandboxes/{sid}/resume", {}), ("POST", f"/sandboxes/{sid}/connect", {}),
+                               ("POST", f"/sandboxes/{sid}/timeout", {"timeout": 5}),
+                               ("POST", f"/sandboxes/{sid}/refreshes", {}), ("POST", f"/sandboxes/{sid}/fork", {}),
+                               ("POST", f"/sandboxes/{sid}/snapshots", {}),
+                               ("POST", f"/sandboxes/{sid}/exec", {"command": "rm -rf /root"})):
+        r = b.request(method, path, json=body)
+        assert r.status_code == 404, (path, r.text)
+    assert sid not in {s["sandboxID"] for s in b.get("/v2/sandboxes").json()}
+    assert sid not in {s["sandboxID"] for s in b.get("/sandboxes").json()}
+    assert b.get("/health").json()["sandboxes"] == 0
+    # nothing happened to it: alpha still runs it, with its file
+    a = client(node, ALPHA)
+    assert a.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    assert a.post(f"/sandboxes/{sid}/exec", json={"command": "cat /root/mine"}).json()["output"].strip() == "alpha"
+    assert sid in {s["sandboxID"] for s in node.admin.get("/v2/sandboxes").json()}  # admins see all
+
+
+def test_another_teams_snapshots_and_templates_are_unknown_and_kept(node: NodeServer,
+                                                                   alpha_sandbox: dict[str, str]) -> None:
+    b, snap = client(node, BETA), alpha_sandbox["snapshot"]
+    assert snap not in {s["snapshotID"] for s in b.get("/snapshots").json()}
+    assert b.get(f"/snapshots/{snap}").status_code == 404
+    assert b.delete(f"/snapshots/{snap}").status_code == 404
+    assert b.post("/templates", json={"name": "mine", "snapshot": snap}).status_code == 404  # no cloning
+    assert b.post("/sandboxes", json={"templateID": "alpha-snap"}).status_code == 404
+    assert {t["templateID"] for t in b.get("/templates").json()} == set()
+    before = client(node, ALPHA).get("/templates").json()
+    for name in ("base", "alpha-snap"):
+        r = b.post("/templates", json={"name": name, "image": "guest:v1"})
+        assert r.status_code == 409 and "another team" in r.json()["message"], r.text
+        assert b.delete(f"/templates/{name}").status_code == 404
+    assert client(node, ALPHA).get("/templates").json() == before
+    assert snap in {s["snapshotID"] for s in node.admin.get("/snapshots").json()}
+
+
+def test_another_teams_image_cannot_be_overwritten(node: NodeServer, alpha_world: dict[str, str]) -> None:
+    b = client(node, BETA)
+    r = b.put("/images/base:v1", content=b"evil" * 1024)
+    assert r.status_code == 409 and "another team" in r.json()["message"], r.text
+    assert client(node, ALPHA).get("/images/base:v1").json()["manifest"] == alpha_world["manifest"]
+    assert b.get("/images/base:v1").status_code == 404
+    assert b.delete("/images/base:v1").status_code == 404
+    assert "base:v1" not in {i["ref"] for i in b.get("/images").json()}
+    assert "base:v1" in {i["ref"] for i in node.admin.get("/images").json()}
+    # beta's own names work
+    assert b.put("/images/beta:v1", content=b"beta" * 1024).status_code == 201
+    assert {i["ref"] for i in b.get("/images").json()} == {"beta:v1"}
+
+
+def test_quotas_answer_429_and_create_nothing(node: NodeServer, alpha_sandbox: dict[str, str]) -> None:
+    a, b = client(node, ALPHA), client(node, BETA)
+    before = {s["sandboxID"] for s in node.admin.get("/v2/sandboxes").json()}
+    r = a.post("/sandboxes", json={"templateID": "guest:alpha"})
+    assert r.status_code == 429 and r.headers["Should-Retry"] == "false", r.text
+    assert "team alpha is over its quota team_max_sandboxes" in r.json()["message"]
+    assert "limit is 1" in r.json()["message"]
+    assert a.post(f"/sandboxes/{alpha_sandbox['sid']}/fork", json={"count": 1}).status_code == 429
+    r = a.post(f"/sandboxes/{alpha_sandbox['sid']}/snapshots", json={})
+    assert r.status_code == 429 and "team_max_snapshots" in r.json()["message"], r.text
+    assert {s["sandboxID"] for s in node.admin.get("/v2/sandboxes").json()} == before
+    r = b.put("/images/big:v1", content=b"\x01" * (80 << 20))
+    assert r.status_code == 429 and "team_max_stored" in r.json()["message"], r.text
+    assert b.get("/images/big:v1").status_code == 404
+
+
+def test_schemathesis_with_another_teams_key_leaks_nothing(node: NodeServer, alpha_sandbox: dict[str, str]) -> None:
+    """Generated requests with beta's key: no 5xx, and no response names
+    alpha's sandbox, snapshot, templates or image; alpha's objects survive."""
+    result = subprocess.run(
+        [str(ROOT / ".venv/bin/schemathesis"), "run", f"{node.url}/openapi.json", "-H", f"X-API-Key: {BETA}",
+         "--checks", "not_a_server_error", "--max-examples", "6", "--phases", "examples,fuzzing",
+         "--generation-deterministic", "--request-timeout", "120", "--report", "har",
+         "--report-dir", str(node.tmp / "report")],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    har = "".join(p.read_text() for p in (node.tmp / "report").glob("har-*.json"))
+    assert har, "schemathesis wrote no HAR report"
+    for secret in (alpha_sandbox["sid"], alpha_sandbox["snapshot"], alpha_sandbox["manifest"], "alpha-snap",
+                   "guest:alpha", "base:v1"):
+        assert secret not in har, f"beta saw {secret}"
+    a = client(node, ALPHA)
+    assert a.get(f"/sandboxes/{alpha_sandbox['sid']}").json()["state"] == "running"
+    assert a.get(f"/snapshots/{alpha_sandbox['snapshot']}").status_code == 200
+    assert a.get("/images/base:v1").json()["manifest"] == alpha_sandbox["manifest"]
+    for s in client(node, BETA).get("/v2/sandboxes").json():  # a generated create may have started one
+        client(node, BETA).delete(f"/sandboxes/{s['sandboxID']}")
