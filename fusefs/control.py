@@ -34,6 +34,7 @@ class MountSettings:
     upper_dir: Path
     run_dir: Path
     store_options: dict[str, Any]  # layerstore.store.open_store keywords (NodeConfig.store_options)
+    squash_depth: int = 32
 
     @classmethod
     def from_config(cls, config: NodeConfig, *, upper_dir: Path | None = None) -> "MountSettings":
@@ -41,7 +42,8 @@ class MountSettings:
             raise InvalidInput("no store given: pass --store PATH|s3://BUCKET/PREFIX or set STRATA_STORE")
         return cls(mountpoint=Path(config.mount), store=config.store, cache_dir=Path(config.cache_dir),
                    cache_size=config.cache_size, upper_dir=upper_dir or config.state_dir / "uppers",
-                   run_dir=Path(config.run_dir), store_options=config.store_options())
+                   run_dir=Path(config.run_dir), store_options=config.store_options(),
+                   squash_depth=config.squash_depth)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), default=_plain).encode()

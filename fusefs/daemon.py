@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +35,7 @@ import trio
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import Ref, parse_ref
+from layerstore.squash import depth, squash
 from layerstore.store import Store, open_store
 
 from .cache import ChunkCache
@@ -52,8 +54,10 @@ log = logging.getLogger("strata.fusefs")
 class Catalogue:
     """Everything the filesystem serves: image views, sandboxes, prefetch."""
 
-    def __init__(self, store: Store, cache: ChunkCache, upper_root: Path, *, prefetch_workers: int = 4) -> None:
+    def __init__(self, store: Store, cache: ChunkCache, upper_root: Path, *, prefetch_workers: int = 4,
+                 squash_depth: int = 32) -> None:
         self.store = store
+        self.squash_depth = squash_depth  # a sealed stack deeper than this is squashed (layerstore/squash.py)
         self.cache = cache
         self.fetcher = ChunkFetcher(store, cache)
         self.upper_root = upper_root
@@ -153,12 +157,30 @@ class Catalogue:
         if upper is None:
             raise NotFound(f"sandbox {sid} not found")
         if upper.sealing:
-            raise StrataError(f"sandbox {sid}: {len(upper.sealing)} sealed layer(s) still being published; wait for them")
+            self._discard_seals(upper)
         if self.fs is not None:
             self.fs.remove_sandbox(sid)
         del self.sandboxes[sid]
         upper.close()
         shutil.rmtree(upper.root)
+
+    def _discard_seals(self, upper: UpperLayer, *, timeout: float = 60.0) -> None:
+        """A sandbox being removed drops its unpublished seals: a publish in
+        flight is waited for (up to `timeout`), then whatever is still
+        queued (a seal that failed, say) is discarded, so a kill never
+        fails forever on a store that refused a seal."""
+        ticket = self.seals.get(upper.sid)
+        if ticket is not None and not ticket.future.done():
+            try:
+                ticket.future.result(timeout)
+            except FutureTimeout:
+                raise StrataError(f"sandbox {upper.sid}: a sealed layer is still being published after "
+                                  f"{timeout:.0f} s; try again") from None
+            except BaseException:  # noqa: S110 - failed: discarded below
+                pass
+        dropped = upper.discard_sealing()
+        if dropped:
+            log.warning("sandbox %s: discarded %d sealed layer(s) never published (removed)", upper.sid, dropped)
 
     def _publish(self, upper: UpperLayer, data_path: Path, dirty: list[int], base: str) -> str:
         result = import_image(
@@ -170,7 +192,13 @@ class Catalogue:
             slots=dirty,
             annotations={"sandbox": upper.sid},
         )
-        return result.manifest_id
+        if depth(self.store, result.manifest_id) <= self.squash_depth:
+            return result.manifest_id
+        try:  # on the seal thread, so in the background of the sandbox that sealed
+            return squash(self.store, result.manifest_id, annotations={"sandbox": upper.sid})
+        except StrataError as exc:  # the deep stack still reads; the next seal tries again
+            log.warning("sandbox %s: squashing its layer stack failed: %s", upper.sid, exc)
+            return result.manifest_id
 
     def seal(self, sid: str, *, wait: bool = False, timeout: float = 600) -> Sealed:
         upper = self.sandboxes.get(check_sid(sid))
@@ -387,7 +415,7 @@ def serve(settings: MountSettings, ready: Callable[[], None]) -> None:
         raise StrataError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
     store = open_store(settings.store, **settings.store_options)
     cache = ChunkCache(settings.cache_dir, capacity=settings.cache_size)
-    cat = Catalogue(store, cache, settings.upper_dir)
+    cat = Catalogue(store, cache, settings.upper_dir, squash_depth=settings.squash_depth)
     Daemon(mountpoint, cat, sock).run(ready)
 
 

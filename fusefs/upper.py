@@ -353,6 +353,18 @@ class UpperLayer:
             self._persist_state()
         frozen.remove()
 
+    def discard_sealing(self) -> int:
+        """Drop the frozen generations not yet published (the sandbox is going
+        away); returns how many. Only when no publish job runs."""
+        with self._publish_lock, self._seal_lock:
+            dropped = list(self.sealing)
+            self.sealing.clear()
+            self.pending_seal = None
+            self._persist_state()
+        for frozen in dropped:
+            frozen.remove()
+        return len(dropped)
+
     def close(self) -> None:
         try:
             self.fsync()

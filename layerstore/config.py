@@ -192,6 +192,8 @@ class NodeConfig:
     mount: Path = _setting("", _text, "the node's FUSE mount point (default STATE_DIR/mnt)")
     cache_dir: Path = _setting("", _text, "chunk cache directory (default STATE_DIR/cache)")
     cache_size: int = _setting("10G", parse_bytes, "hard cap of the chunk cache")
+    squash_depth: int = _setting("32", _positive, "a sandbox disk or RAM stack deeper than this after a seal is "
+                                                  "squashed into one layer")
     guest_dir: Path = _setting("", _text, "guest kernel + initramfs (default STATE_DIR/guest)")
     vmm: str = _setting("qemu", _choice("qemu", "firecracker"), "VMM backend")
     accel: str = _setting("", _choice("", "kvm", "tcg"), "force QEMU's accelerator (default: KVM only where it "

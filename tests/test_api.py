@@ -358,3 +358,30 @@ def test_schemathesis(server: NodeServer) -> None:
     assert " passed" in summary and "failed" not in summary, summary
     for sid in ids(server):  # a generated create that happened to name a real template
         server.client.delete(f"/sandboxes/{sid}")
+
+
+def test_a_sandbox_paused_and_resumed_many_times_keeps_every_file(tmp_path: Path, guest: Path) -> None:
+    """With squash_depth 3, ten pause/resume cycles squash the sandbox's
+    stacks several times: every file written along the way is still there,
+    and its disk stack stays shallow."""
+    srv = NodeServer(tmp_path, guest, STRATA_SQUASH_DEPTH="3")
+    srv.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    try:
+        srv.start()
+        c = srv.client
+        sid = c.post("/sandboxes", json={"templateID": "guest:v1", "timeout": 600}).json()["sandboxID"]
+        for cycle in range(10):
+            run(srv, sid, f"echo {cycle} > /root/cycle-{cycle}; sync")
+            assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+            assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 201
+        assert run(srv, sid, "cat /root/cycle-*").split() == [str(i) for i in range(10)]
+        snap = c.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
+        disk = next(x for x in c.get(f"/snapshots/{snap}").json()["layers"] if x["role"] == "disk")["manifest"]
+        from layerstore.squash import depth
+        from layerstore.store import open_store
+
+        with open_store(srv.env["STRATA_STORE"], state_dir=tmp_path / "reader") as store:
+            assert depth(store, disk) <= 4  # 10+ seals, squashed past 3
+        assert c.delete(f"/sandboxes/{sid}").status_code == 204
+    finally:
+        srv.cleanup()
