@@ -260,6 +260,10 @@ class Health(BaseModel):
     store: str
     mount: bool
     sandboxes: int
+    mount_state: Literal["ok", "restarting", "failed"] = Field(
+        "ok", description="the mount daemon's supervisor: failed = died too often, no longer restarted")
+    mount_restarts: int = Field(0, description="times the mount daemon was found dead and restarted")
+    mount_last_restart: datetime | None = None
 
 
 class GcRequest(BaseModel):

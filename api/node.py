@@ -45,6 +45,7 @@ from .catalog import Catalog
 from .errors import Capacity
 from .maintenance import Maintenance
 from .metrics import Metrics
+from .supervisor import MountSupervisor
 from .teams import ADMIN, Caller, check_quota
 from .uploads import reap as reap_uploads
 
@@ -78,6 +79,7 @@ class Node:
         self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
                                node_users=boxes.registry.snapshot_users)
         self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
+        self.supervisor = MountSupervisor(config, boxes)
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
@@ -117,6 +119,10 @@ class Node:
 
     def _reaper(self) -> None:
         while not self._stop.wait(1.0):
+            try:
+                self.supervisor.check(time.time())
+            except (OSError, StrataError) as exc:  # never let the reaper thread die
+                log.error("checking the mount daemon: %s", exc)
             self.reap(time.time())
             try:
                 self.boxes.rotate_logs(limit=self.config.console_log_limit)
@@ -448,5 +454,7 @@ class Node:
             mounted = True
         except StrataError:
             mounted = False
+        watch = self.supervisor.health
         return m.Health(status="ok" if mounted else "degraded", store=self.store.describe(), mount=mounted,
-                        sandboxes=len(self.records(caller)))
+                        sandboxes=len(self.records(caller)), mount_state=watch.state, mount_restarts=watch.restarts,
+                        mount_last_restart=m.timestamp(watch.last_restart) if watch.last_restart else None)

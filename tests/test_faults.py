@@ -413,3 +413,54 @@ def test_a_guest_flooding_output_and_console_is_capped(tmp_path: Path, guest: Pa
         assert _exec(node, sid, "echo alive") == "alive"
     finally:
         node.cleanup()
+
+
+def test_mount_daemon_killed_is_restarted_and_sandboxes_regain_their_disks(tmp_path: Path, guest: Path,
+                                                                           rng: random.Random,
+                                                                           fault_ledger: dict[str, int]) -> None:
+    """SIGKILL of the node's FUSE daemon at a random point while a guest
+    writes: strata serve stays up, starts a new daemon (/health counts the
+    restart), reboots the running sandbox on its disk with every synced file
+    (its record says what happened), resumes the paused one intact, and the
+    committed image still reads back exactly."""
+    from fusefs.client import MountClient
+    from tests.node_server import NodeServer
+
+    node = NodeServer(tmp_path, guest)
+    node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    try:
+        node.start()
+        c = node.client
+        running = c.post("/sandboxes", json={"templateID": "guest:v1", "timeout": 600}).json()["sandboxID"]
+        paused = c.post("/sandboxes", json={"templateID": "guest:v1", "timeout": 600}).json()["sandboxID"]
+        _exec(node, running, "echo kept > /root/synced; sync")
+        _exec(node, paused, "echo asleep > /root/f; sync")
+        assert c.post(f"/sandboxes/{paused}/pause").status_code == 204
+        _exec(node, running, "(i=0; while true; do i=$((i+1)); echo $i > /root/counter; sync; done) "
+                             ">/dev/null 2>&1 &")
+        time.sleep(rng.uniform(0.1, 2.0))
+        daemon = MountClient(tmp_path / "state" / "mnt", run_dir=tmp_path / "run").ping().pid
+        os.kill(daemon, signal.SIGKILL)
+        fault_ledger["faults injected"] += 1
+        deadline = time.monotonic() + 180
+        health: dict = {}
+        while time.monotonic() < deadline:
+            health = c.get("/health").json()
+            record = next((r for r in node.admin.get("/admin/sandboxes").json() if r["sid"] == running), {})
+            if health.get("mount_restarts") == 1 and record.get("recovered") and record.get("state") == "running":
+                break
+            time.sleep(0.5)
+        assert health["mount_restarts"] == 1 and health["mount_state"] == "ok" and health["status"] == "ok", health
+        assert "mount daemon died" in record["recovered"], record
+        assert _exec(node, running, "cat /root/synced") == "kept"
+        assert c.post(f"/sandboxes/{paused}/connect", json={"timeout": 600}).status_code == 201
+        assert _exec(node, paused, "cat /root/f") == "asleep"
+        out = tmp_path / "out.img"
+        env = {**node.env, "STRATA_STATE_DIR": str(tmp_path / "reader")}
+        subprocess.run([str(Path(__file__).resolve().parent.parent / ".venv/bin/strata"), "image", "export", "guest:v1",
+                        str(out)], env=env,
+                       check=True, capture_output=True, timeout=300)
+        assert out.read_bytes() == (guest / "rootfs.ext4").read_bytes()
+        fault_ledger["bytes verified"] += out.stat().st_size
+    finally:
+        node.cleanup()

@@ -77,6 +77,7 @@ class SandboxRecord:
     # process died midway and puts the VM back (Sandboxes._finish_interrupted).
     operation: str = ""
     team: str = "default"  # the API's owning team (an opaque label to the VMM layer)
+    recovered: str = ""  # what recovery did to this sandbox after a failure of the node, and when
 
 
 def new_sid() -> str:

@@ -280,6 +280,60 @@ class Sandboxes:
                 cmdline=DEFAULT_CMDLINE, memory_file=self._memory_path(sid)),
                 {"image": str(ref)}, self._zero_memory(memory))
 
+    def reboot_on_disk(self, sid: str, reason: str) -> Sandbox:
+        """Cold-boot a sandbox whose VM lost its files (the mount daemon died):
+        the VM is stopped, its RAM layer dropped, and the guest booted again
+        on the disk the new mount daemon still holds, like a machine after a
+        power cut: synced files are there, processes and unsynced writes
+        are not. The record says so (`recovered`)."""
+        with self._locked(sid):
+            record = self.registry.load(sid)
+            vm = self._vms.pop(sid, None)
+            if vm is not None:
+                vm.kill()
+            self.backend.destroy(self.registry.workdir(sid))
+            disks = {d.sid for d in self.client.list_disks()}
+            if sid not in disks:
+                raise Conflict(f"sandbox {sid}: its disk is gone from the mount")
+            if memory_sid(sid) in disks:
+                self.client.remove_disk(memory_sid(sid))
+            kernel, initrd = self._boot_files(record)
+            spec = VmSpec(kernel=kernel, initrd=initrd, disk=self.mount / "sandboxes" / sid / "disk.img",
+                          workdir=self.registry.workdir(sid), memory_mib=record.memory_mib, cmdline=DEFAULT_CMDLINE,
+                          memory_file=self._memory_path(sid))
+            self.client.create_disk(memory_sid(sid), manifest=self._zero_memory(record.memory_mib))
+            started = time.monotonic()
+            vm = self.backend.start(spec)
+            record.state, record.operation, record.pid = "running", "", vm.pid
+            record.timings["reboot"] = time.monotonic() - started
+            record.recovered = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {reason}"
+            self.registry.save(record)
+            self._vms[sid] = vm
+            return Sandbox(record, vm, self.registry.workdir(sid))
+
+    def back_to_snapshot(self, sid: str, reason: str) -> None:
+        """Stop a sandbox whose VM lost its files and record it paused to the
+        store at its last snapshot (resuming restores that)."""
+        with self._locked(sid):
+            record = self.registry.load(sid)
+            if record.last_snapshot is None:
+                raise Conflict(f"sandbox {sid} has no snapshot to go back to")
+            self._stop(sid)
+            record.state, record.pid, record.operation, record.suspended_at = "suspended", None, "", time.time()
+            record.recovered = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {reason}"
+            self.registry.save(record)
+
+    def _boot_files(self, record: SandboxRecord) -> tuple[Path, Path]:
+        """Kernel and initrd to cold-boot `record`: its snapshot's, if it came from one."""
+        if record.source.startswith("snapshot:"):
+            try:
+                snap = self.store.get_snapshot(record.source.split(":", 1)[1])
+                return (self.mount / "layers" / str(snap.vm["kernel"]) / "disk.img",
+                        self.mount / "layers" / str(snap.vm["initrd"]) / "disk.img")
+            except StrataError:  # deleted since: the node's own guest boots the same disk
+                pass
+        return self.guest_dir / "vmlinuz", self.guest_dir / "initramfs.cpio.gz"
+
     def pause(self, sid: str) -> Sandbox:
         """Stop the vCPUs (memory and disk stay as they are)."""
         return self._set_vcpus(sid, "pause", "paused")

@@ -24,7 +24,7 @@ def openapi(request: Request) -> dict:
 def health(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> JSONResponse:
     caller = caller_of(key, node.config)
     body = node.health(caller) if caller is not None else node.health()
-    shown = body.model_dump() if caller is not None else {"status": body.status}
+    shown = body.model_dump(mode="json") if caller is not None else {"status": body.status}
     return JSONResponse(shown, status_code=200 if body.mount else 503)
 
 
