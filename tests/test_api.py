@@ -133,6 +133,40 @@ def test_bad_input_changes_nothing(server: NodeServer) -> None:
     assert c.delete(f"/sandboxes/{sid}").status_code == 204
 
 
+def test_bad_stored_data_is_never_a_500(server: NodeServer) -> None:
+    """Objects damaged in the store (a template that is not JSON, one whose
+    fields have the wrong types, a ref naming no manifest, a snapshot that
+    fails its hash): every request that meets them gets a documented 4xx
+    with a message, never a 5xx, and the node goes on serving."""
+    from layerstore.store import open_store
+
+    c = server.client
+    with open_store(server.env["STRATA_STORE"], state_dir=server.tmp / "vandal") as store:
+        store.backend.put("templates/garbled", b"{not json")
+        store.backend.put("templates/typed", b'{"kind": "image", "target": ["x"], "created": "soon", "owner": 7}')
+        store.backend.put("refs/dangling/v1", b'{"manifest": "' + b"ab" * 32 + b'", "updated": 0}')
+        store.backend.put("refs/garbled/v1", b"\x00\xff")
+        store.backend.put("snapshots/" + "cd" * 32, b'{"v": 1, "kind": "snapshot"}')
+    try:
+        for method, path, body in (("POST", "/sandboxes", {"templateID": "garbled"}),
+                                   ("POST", "/sandboxes", {"templateID": "typed"}),
+                                   ("POST", "/sandboxes", {"templateID": "dangling:v1"}),
+                                   ("POST", "/sandboxes", {"templateID": "garbled:v1"}),
+                                   ("GET", "/images/dangling:v1", None), ("GET", "/images/garbled:v1", None),
+                                   ("GET", "/snapshots/" + "cd" * 32, None), ("DELETE", "/templates/garbled", None),
+                                   ("POST", "/templates", {"name": "x", "snapshot": "cd" * 32}),
+                                   ("GET", "/templates", None), ("GET", "/images", None), ("GET", "/snapshots", None)):
+            r = c.request(method, path, json=body)
+            assert r.status_code < 500, (method, path, r.status_code, r.text)
+            assert r.status_code in (200, 204) or r.json()["message"], (method, path, r.text)
+        assert c.get("/templates").status_code == 200 and c.get("/health").json()["status"] == "ok"
+    finally:
+        with open_store(server.env["STRATA_STORE"], state_dir=server.tmp / "vandal") as store:
+            for key in ("templates/garbled", "templates/typed", "refs/dangling/v1", "refs/garbled/v1",
+                        "snapshots/" + "cd" * 32):
+                store.backend.delete(key)
+
+
 def test_image_upload_streamed(server: NodeServer, tmp_path: Path) -> None:
     data = os.urandom(3 << 20) + b"\0" * (4 << 20) + b"tail"
     c = server.client
