@@ -235,14 +235,9 @@ def test_serve_killed_mid_pause_loses_nothing_committed(tmp_path: Path, guest: P
     the last completed pause."""
     import threading
 
-    from tests.node_server import NodeServer
-
-    node = NodeServer(tmp_path, guest)
-    node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    node = _serving(tmp_path, guest)
     try:
-        node.start()
         c = node.client
-        assert c.post("/templates", json={"name": "base", "image": "guest:v1"}).status_code == 201
         sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
         _exec(node, sid, "echo committed > /root/kept; sync")
         began = time.monotonic()
@@ -270,6 +265,22 @@ def test_serve_killed_mid_pause_loses_nothing_committed(tmp_path: Path, guest: P
             fault_ledger["bytes verified"] += len(kept)
     finally:
         node.cleanup()
+
+
+def _serving(tmp_path: Path, guest: Path, **env: str):  # noqa: ANN202 - tests.node_server.NodeServer
+    """A started `strata serve` whose store holds the guest as guest:v1 and
+    its template `base` (the caller cleans it up)."""
+    from tests.node_server import NodeServer
+
+    node = NodeServer(tmp_path, guest, **env)
+    node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    try:
+        node.start()
+        assert node.client.post("/templates", json={"name": "base", "image": "guest:v1"}).status_code == 201
+    except BaseException:
+        node.cleanup()
+        raise
+    return node
 
 
 def _status(client: object, path: str) -> int:
@@ -359,14 +370,9 @@ def test_a_guest_flooding_output_and_console_is_capped(tmp_path: Path, guest: Pa
     working."""
     import threading
 
-    from tests.node_server import NodeServer
-
-    node = NodeServer(tmp_path, guest, STRATA_EXEC_OUTPUT_LIMIT="64K", STRATA_CONSOLE_LOG_LIMIT="256K")
-    node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    node = _serving(tmp_path, guest, STRATA_EXEC_OUTPUT_LIMIT="64K", STRATA_CONSOLE_LOG_LIMIT="256K")
     try:
-        node.start()
         c = node.client
-        assert c.post("/templates", json={"name": "base", "image": "guest:v1"}).status_code == 201
         sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
         r = c.post(f"/sandboxes/{sid}/exec", json={"command": "yes flood | head -c 64000000", "timeout": 300},
                    timeout=330)
@@ -424,12 +430,9 @@ def test_mount_daemon_killed_is_restarted_and_sandboxes_regain_their_disks(tmp_p
     (its record says what happened), resumes the paused one intact, and the
     committed image still reads back exactly."""
     from fusefs.client import MountClient
-    from tests.node_server import NodeServer
 
-    node = NodeServer(tmp_path, guest)
-    node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    node = _serving(tmp_path, guest)
     try:
-        node.start()
         c = node.client
         running = c.post("/sandboxes", json={"templateID": "guest:v1", "timeout": 600}).json()["sandboxID"]
         paused = c.post("/sandboxes", json={"templateID": "guest:v1", "timeout": 600}).json()["sandboxID"]
