@@ -54,6 +54,8 @@ class Catalog:
         caller.check_sees(self._snapshot_team(snapshot_id), f"snapshot {snapshot_id} not found")
 
     def check_snapshot_quota(self, caller: Caller) -> None:
+        if self.config.team_limit(self.config.team_max_snapshots, caller.team) is None:
+            return  # no quota: no need to read every snapshot
         used = len(inventory.list_snapshots(self.store, team=caller.team))
         check_quota(self.config, caller, setting="team_max_snapshots", used=used, adding=1)
 
