@@ -123,22 +123,22 @@ def _store(args: argparse.Namespace, ctx: StoreContext) -> Store:
 def cmd_image_import(args: argparse.Namespace, ctx: StoreContext) -> int:
     out = ctx.out
     from .importer import import_image
+    from .oci import is_image
 
+    source = Path(args.file)
     with _store(args, ctx) as store:
         parent = store.resolve(args.parent) if args.parent else None
-        with out.progress(f"import {Path(args.file).name}") as (advance, total):
-            res = import_image(
-                store,
-                args.file,
-                args.ref,
-                chunk_size=args.chunk_size,
-                level=args.level,
-                parent=parent,
-                annotations={"source": Path(args.file).name},
-                workers=args.workers,
-                progress=advance,
-                on_total=total,
-            )
+        options = {"chunk_size": args.chunk_size, "level": args.level, "parent": parent, "workers": args.workers}
+        with out.progress(f"import {source.name}") as (advance, total):
+            if is_image(source):  # OCI layout / archive or docker save: layers -> ext4 -> chunks
+                from .rootfs import import_oci
+
+                res = import_oci(store, source, args.ref, build_root=ctx.config.state_dir / "build",
+                                 size=args.size, max_bytes=args.max_unpacked, progress=advance, on_total=total,
+                                 **options)
+            else:
+                res = import_image(store, args.file, args.ref, annotations={"source": source.name},
+                                   progress=advance, on_total=total, **options)
     out.result(
         res.as_dict(),
         lambda: (
@@ -410,13 +410,19 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 def _image_verbs(verbs: Any, common: argparse.ArgumentParser) -> None:
-    p = verbs.add_parser("import", parents=[common], help="import a raw image file as NAME:TAG")
-    p.add_argument("file", help="raw image (disk image, memory file); sparse files are read sparsely")
+    p = verbs.add_parser("import", parents=[common], help="import a raw disk image, an OCI image or a docker save "
+                                                         "archive as NAME:TAG")
+    p.add_argument("file", help="raw image (disk image, memory file; read sparsely), or an OCI layout directory, "
+                                "OCI archive or `docker save` archive (its layers become an ext4 disk)")
     p.add_argument("ref", metavar="NAME:TAG")
     p.add_argument("--chunk-size", type=parse_size, default=DEFAULT_CHUNK_SIZE, help="power of two, 64K..16M (default 1M)")
     p.add_argument("--level", type=int, default=None, choices=range(-5, 23), metavar="N", help=f"zstd level (default {DEFAULT_LEVEL})")
     p.add_argument("--parent", metavar="NAME:TAG", help="store only chunks that differ from this image")
     p.add_argument("--workers", type=int, default=None, help="hashing threads (default: cores)")
+    p.add_argument("--size", type=parse_size, default=None,
+                   help="OCI/docker images: the ext4 disk's size (default: its files + 25%% + 64M)")
+    p.add_argument("--max-unpacked", type=parse_size, default=64 << 30,
+                   help="OCI/docker images: refuse layers unpacking to more than this (default 64G)")
     p.set_defaults(func=cmd_image_import)
     p = verbs.add_parser("export", parents=[common], help="write NAME:TAG to a raw file (bit-exact, sparse)")
     p.add_argument("ref", metavar="NAME:TAG")

@@ -1,0 +1,92 @@
+"""Build OCI layouts and `docker save` archives by hand for the import tests:
+layers are tars (gzip by default) of entries described as tuples."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+Entry = tuple  # ("file", name, data, mode, uid, gid) | ("dir", name) | ("symlink", name, target)
+#                ("link", name, target) | ("char", name, major, minor) | ("raw", TarInfo, data)
+
+
+def layer(entries: list[Entry], *, compress: bool = True) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for e in entries:
+            kind, name = e[0], e[1]
+            if kind == "raw":
+                tar.addfile(e[1], io.BytesIO(e[2]) if e[2] is not None else None)
+                continue
+            info = tarfile.TarInfo(name)
+            info.mtime = 1_700_000_000
+            data = None
+            if kind == "file":
+                data = e[2]
+                info.size, info.mode = len(data), e[3] if len(e) > 3 else 0o644
+                info.uid, info.gid = (e[4], e[5]) if len(e) > 5 else (0, 0)
+            elif kind == "dir":
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+            elif kind == "symlink":
+                info.type, info.linkname = tarfile.SYMTYPE, e[2]
+            elif kind == "link":
+                info.type, info.linkname = tarfile.LNKTYPE, e[2]
+            elif kind == "char":
+                info.type, info.devmajor, info.devminor, info.mode = tarfile.CHRTYPE, e[2], e[3], 0o666
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    raw = buf.getvalue()
+    return gzip.compress(raw, mtime=0) if compress else raw
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+CONFIG = {"architecture": "amd64", "os": "linux",
+          "config": {"Env": ["PATH=/usr/bin:/bin", "GREETING=hi"], "WorkingDir": "/srv", "Cmd": ["/bin/sh"]}}
+
+
+def write_oci(root: Path, layers: list[bytes], *, config: dict = CONFIG) -> Path:
+    """An OCI image layout directory at `root`."""
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    cfg = json.dumps(config).encode()
+    for data in [cfg, *layers]:
+        (blobs / _sha(data)).write_bytes(data)
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": "sha256:" + _sha(cfg),
+                   "size": len(cfg)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": "sha256:" + _sha(d),
+                    "size": len(d)} for d in layers]}).encode()
+    (blobs / _sha(manifest)).write_bytes(manifest)
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:" + _sha(manifest),
+         "size": len(manifest), "platform": {"architecture": "amd64", "os": "linux"}}]}))
+    return root
+
+
+def write_docker(path: Path, layers: list[bytes], *, config: dict = CONFIG) -> Path:
+    """A `docker save` archive in the classic layout (<v1 id>/layer.tar,
+    uncompressed, checked against the config's rootfs.diff_ids) at `path`."""
+    plains = [gzip.decompress(d) if d[:2] == b"\x1f\x8b" else d for d in layers]
+    config = {**config, "rootfs": {"type": "layers", "diff_ids": ["sha256:" + _sha(p) for p in plains]}}
+    cfg = json.dumps(config).encode()
+    files = {f"{_sha(cfg)}.json": cfg}
+    names = []
+    for n, plain in enumerate(plains):
+        names.append(f"{_sha(str(n).encode() + cfg)}/layer.tar")  # a v1 id: not the layer's digest
+        files[names[-1]] = plain
+    files["manifest.json"] = json.dumps([{"Config": f"{_sha(cfg)}.json", "RepoTags": ["demo:v1"],
+                                          "Layers": names}]).encode()
+    with tarfile.open(path, "w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
