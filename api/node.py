@@ -95,8 +95,7 @@ class Node:
                 continue
             if record.state in ("running", "paused") and not self.boxes.backend.is_running(
                     self.boxes.registry.workdir(record.sid)):
-                log.warning("sandbox %s: its VM is gone (host restarted?); removing it", record.sid)
-                self._quietly(self.boxes.kill, record.sid)
+                self._vm_gone(record)
         for target in (self._reaper, self._pooler):
             thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
             thread.start()
@@ -111,6 +110,18 @@ class Node:
             return
         if uploads or tmp:
             log.info("removed %d partial upload(s) and %d store temp file(s) left by a crash", uploads, tmp)
+
+    def _vm_gone(self, record: SandboxRecord) -> None:
+        """A sandbox whose VM did not survive (host restart, or this service
+        killed between a pause's snapshot and its record): back to its last
+        snapshot, paused, if it has one (nothing committed is lost); else removed."""
+        if record.last_snapshot is not None:
+            log.warning("sandbox %s: its VM is gone; paused at its last snapshot %s", record.sid, record.last_snapshot)
+            self._quietly(self.boxes.back_to_snapshot, record.sid, "its VM was gone when the node started: paused "
+                                                                   "at its last snapshot")
+            return
+        log.warning("sandbox %s: its VM is gone (host restarted?) and it has no snapshot; removing it", record.sid)
+        self._quietly(self.boxes.kill, record.sid)
 
     def stop(self) -> None:
         self._stop.set()

@@ -467,3 +467,32 @@ def test_mount_daemon_killed_is_restarted_and_sandboxes_regain_their_disks(tmp_p
         fault_ledger["bytes verified"] += out.stat().st_size
     finally:
         node.cleanup()
+
+
+def test_a_vm_lost_while_serve_was_down_goes_back_to_its_last_snapshot(tmp_path: Path, guest: Path,
+                                                                       fault_ledger: dict[str, int]) -> None:
+    """strata serve SIGKILLed and the sandbox's VM gone when it comes back
+    (a host restart, or a kill between a pause's snapshot and its record):
+    the sandbox is paused at its last snapshot, not removed, and resumes
+    with what that snapshot holds."""
+    node = _serving(tmp_path, guest)
+    try:
+        c = node.client
+        sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
+        _exec(node, sid, "echo committed > /root/kept; sync")
+        assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+        assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 201
+        vm = next(r for r in node.admin.get("/admin/sandboxes").json() if r["sid"] == sid)["pid"]
+        node.proc.kill()  # type: ignore[union-attr]
+        node.proc.wait()  # type: ignore[union-attr]
+        os.kill(vm, signal.SIGKILL)
+        fault_ledger["faults injected"] += 2
+        node.start()
+        assert c.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        assert "VM was gone" in next(r for r in node.admin.get("/admin/sandboxes").json()
+                                     if r["sid"] == sid)["recovered"]
+        assert c.post(f"/sandboxes/{sid}/connect", json={"timeout": 600}).status_code == 201
+        assert _exec(node, sid, "cat /root/kept") == "committed"
+        fault_ledger["bytes verified"] += len("committed")
+    finally:
+        node.cleanup()
