@@ -59,7 +59,7 @@ def apply_layers(image: Image, root: Path, *, limits: Limits | None = None) -> L
         with image.source.open(blob.path) as raw:
             hashing = Hashing(raw)
             try:
-                with _tar_stream(hashing, blob) as tar:
+                with _TarStream(hashing, blob) as tar:
                     for member in tar:
                         _apply(tar, member, root, blob, limits)
                 hashing.drain()  # a digest covers the whole blob, tar padding included
@@ -69,7 +69,7 @@ def apply_layers(image: Image, root: Path, *, limits: Limits | None = None) -> L
     return limits
 
 
-class _tar_stream:
+class _TarStream:
     """The layer as a streamed tar, whatever its compression."""
 
     def __init__(self, hashing: Hashing, blob: Blob) -> None:
