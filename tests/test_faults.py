@@ -138,13 +138,17 @@ def test_store_lost_mid_push_fails_clearly_then_resumes(tmp_path: Path, weed: Se
     data = _image(tmp_path / "a.img", rng)
     assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], local).returncode == 0
     window = _push_seconds(local, weed)
-    remote, env = _remote(weed)
-    push = _start(["push", "a:1", "--to", remote, "--json"], {**local, **env})
-    time.sleep(rng.uniform(0.6, 0.85) * window)  # past start-up, before the end
-    weed.stop(crash=True)
-    fault_ledger["faults injected"] += 1
-    out, err = push.communicate(timeout=300)
-    assert push.returncode != 0, f"push finished before the store went away ({out})"
+    for attempt in range(6):  # a push can outrun its estimate: aim earlier until the fault lands mid-push
+        remote, env = _remote(weed)
+        push = _start(["push", "a:1", "--to", remote, "--json"], {**local, **env})
+        time.sleep(rng.uniform(0.6, 0.85) * window * 0.6 ** attempt)  # past start-up, before the end
+        weed.stop(crash=True)
+        fault_ledger["faults injected"] += 1
+        out, err = push.communicate(timeout=300)
+        if push.returncode != 0:
+            break
+        weed.restart()
+    assert push.returncode != 0, f"every push finished before the store went away ({out})"
     line = _one_clear_line(err)
     assert "cannot reach" in line or "unavailable" in line, line
     weed.restart()
