@@ -18,7 +18,7 @@ import anyio
 
 from layerstore import inventory
 from layerstore.chunk import chunk_key
-from layerstore.config import NodeConfig
+from layerstore.config import DEFAULT_TEAM, NodeConfig
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
@@ -71,8 +71,8 @@ class Catalog:
     def _stored_bytes(self, team: str) -> int:
         """Bytes stored for a team's images and snapshots, each chunk once."""
         digests: set[str] = set()
-        layers = [self.store.resolve(ref) for ref, _m, _u in self.store.list_refs()
-                  if (self.store.ref_owner(ref) or "default") == team]
+        layers = [manifest for ref, manifest, _u in self.store.list_refs()
+                  if (self.store.ref_owner(ref) or DEFAULT_TEAM) == team]
         for s in inventory.list_snapshots(self.store, team=team):
             layers += self.store.get_snapshot(s.snapshot_id).layers.values()
         for layer_id in layers:
