@@ -306,7 +306,7 @@ class Sandboxes:
             vm = self.backend.start(spec)
             record.state, record.operation, record.pid = "running", "", vm.pid
             record.timings["reboot"] = time.monotonic() - started
-            record.recovered = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {reason}"
+            record.recovered = _note(reason)
             self.registry.save(record)
             self._vms[sid] = vm
             return Sandbox(record, vm, self.registry.workdir(sid))
@@ -320,7 +320,7 @@ class Sandboxes:
                 raise Conflict(f"sandbox {sid} has no snapshot to go back to")
             self._stop(sid)
             record.state, record.pid, record.operation, record.suspended_at = "suspended", None, "", time.time()
-            record.recovered = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {reason}"
+            record.recovered = _note(reason)
             self.registry.save(record)
 
     def _boot_files(self, record: SandboxRecord) -> tuple[Path, Path]:
@@ -640,6 +640,11 @@ class Sandboxes:
                 raise StrataError(f"syncfs on {self.mount} failed: {os.strerror(err)}")
         finally:
             os.close(fd)
+
+
+def _note(reason: str) -> str:
+    """A record's `recovered` text: when (UTC) and what was done."""
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: {reason}"
 
 
 def memory_sid(sid: str) -> str:
