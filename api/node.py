@@ -79,7 +79,7 @@ class Node:
         self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
                                node_users=boxes.registry.snapshot_users)
         self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
-        self.supervisor = MountSupervisor(config, boxes)
+        self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: POOL_KEY in r.metadata)
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:

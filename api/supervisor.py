@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from fusefs.client import DaemonError, mount
 from fusefs.control import MountSettings
 from layerstore.config import NodeConfig
 from layerstore.errors import StrataError
+from vmm.registry import SandboxRecord
 from vmm.sandbox import Sandboxes
 
 log = logging.getLogger("strata.api")
@@ -52,9 +54,12 @@ class MountHealth:
 
 
 class MountSupervisor:
-    def __init__(self, config: NodeConfig, boxes: Sandboxes) -> None:
+    def __init__(self, config: NodeConfig, boxes: Sandboxes, *,
+                 disposable: Callable[[SandboxRecord], bool] = lambda _r: False) -> None:
+        """`disposable` names sandboxes to remove rather than recover (the warm pool's: it refills)."""
         self.config = config
         self.boxes = boxes
+        self.disposable = disposable
         self.health = MountHealth()
         self._next_try = 0.0
 
@@ -95,29 +100,28 @@ class MountSupervisor:
 
     def recover_sandboxes(self) -> list[tuple[str, str]]:
         """Bring every sandbox that had a VM back onto the new mount; returns (sid, what was done)."""
-        done = []
-        for record in self.boxes.registry.all():
-            if record.state in ("running", "paused"):
-                done.append((record.sid, self._recover(record.sid, record.last_snapshot)))
+        done = [(r.sid, self._recover(r)) for r in self.boxes.registry.all() if r.state in ("running", "paused")]
         for sid, what in done:
             log.warning("sandbox %s: %s after the mount daemon restarted", sid, what)
         return done
 
-    def _recover(self, sid: str, last_snapshot: str | None) -> str:
-        reason = "the node's mount daemon died; the guest was rebooted on its disk (processes and unsynced " \
-                 "writes lost)"
+    def _recover(self, record: SandboxRecord) -> str:
+        sid = record.sid
+        if not self.disposable(record):
+            try:
+                self.boxes.reboot_on_disk(sid, "the node's mount daemon died; the guest was rebooted on its disk "
+                                               "(processes and unsynced writes lost)")
+                return "rebooted on its disk"
+            except StrataError as exc:
+                log.error("sandbox %s: reboot after the mount restart failed: %s", sid, exc)
         try:
-            self.boxes.reboot_on_disk(sid, reason)
-            return "rebooted on its disk"
-        except StrataError as exc:
-            log.error("sandbox %s: reboot after the mount restart failed: %s", sid, exc)
-        try:
-            if last_snapshot is not None:
+            if record.last_snapshot is not None and not self.disposable(record):
                 self.boxes.back_to_snapshot(sid, "the node's mount daemon died and the disk was lost: "
                                                  "paused at its last snapshot")
                 return "paused at its last snapshot"
             self.boxes.kill(sid)
-            return "killed (no disk, no snapshot)"
+            return "removed (a warm pool refills itself)" if self.disposable(record) else \
+                "killed (no disk, no snapshot)"
         except StrataError as exc:
             log.error("sandbox %s: could not recover it: %s", sid, exc)
             return f"left as it was: {exc}"
