@@ -121,7 +121,7 @@ class Catalog:
         self.check_template_free(caller, name)
         template = new_template(name, "image" if image else "snapshot", image or snapshot or "", owner=caller.team)
         if image:
-            caller.check_sees(self.store.ref_owner(template.target), f"image {template.target} not found")
+            self._check_image(caller, template.target)
         else:
             self._check_snapshot(caller, template.target)
         self.store.put_template(template)
@@ -168,10 +168,7 @@ class Catalog:
     def check_import(self, caller: Caller, ref: str, declared: str | None) -> None:
         """Before a byte is read: the ref is not another team's (409) and the
         declared size fits the team's stored-bytes quota (429)."""
-        try:
-            caller.check_may_replace(self.store.ref_owner(ref), f"image {ref}")
-        except NotFound:
-            pass
+        self._check_ref_free(caller, ref)
         if self.config.team_limit(self.config.team_max_stored, caller.team) is not None:
             adding = int(declared) if declared and declared.isdigit() else 0
             check_quota(self.config, caller, setting="team_max_stored", used=self._stored_bytes(caller.team),
@@ -191,11 +188,16 @@ class Catalog:
                               new_stored_bytes=result.new_stored_bytes, seconds=round(result.seconds, 3))
 
     def _publish(self, caller: Caller, ref: str, manifest_id: str) -> None:
-        try:  # checked again: another team may have taken the name during the upload
-            caller.check_may_replace(self.store.ref_owner(ref), f"image {ref}")
-        except NotFound:
-            pass
+        self._check_ref_free(caller, ref)  # again: another team may have taken the name during the upload
         self.store.set_ref(ref, manifest_id, owner=caller.team)
+
+    def _check_ref_free(self, caller: Caller, ref: str) -> None:
+        """Conflict if `ref` is another team's image (a new name is free)."""
+        try:
+            owner = self.store.ref_owner(ref)
+        except NotFound:
+            return
+        caller.check_may_replace(owner, f"image {ref}")
 
     # chunks for peers ---------------------------------------------------------------------
     def chunk(self, digest: str) -> bytes:
