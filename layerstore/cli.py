@@ -129,14 +129,14 @@ def cmd_image_import(args: argparse.Namespace, ctx: StoreContext) -> int:
     with _store(args, ctx) as store:
         parent = store.resolve(args.parent) if args.parent else None
         options = {"chunk_size": args.chunk_size, "level": args.level, "parent": parent, "workers": args.workers}
-        with out.progress(f"import {source.name}") as (advance, total):
-            if is_image(source):  # OCI layout / archive or docker save: layers -> ext4 -> chunks
-                from .rootfs import import_oci
+        if is_image(source):  # OCI layout / archive or docker save: layers -> ext4 -> chunks
+            from .rootfs import import_oci
 
+            with out.status(f"unpacking the layers of {source.name} into an ext4 disk and importing it"):
                 res = import_oci(store, source, args.ref, build_root=ctx.config.state_dir / "build",
-                                 size=args.size, max_bytes=args.max_unpacked, progress=advance, on_total=total,
-                                 **options)
-            else:
+                                 size=args.size, max_bytes=args.max_unpacked, **options)
+        else:
+            with out.progress(f"import {source.name}") as (advance, total):
                 res = import_image(store, args.file, args.ref, annotations={"source": source.name},
                                    progress=advance, on_total=total, **options)
     out.result(
