@@ -188,15 +188,21 @@ class FakeFirecracker:
                     self.changed.wait_for(lambda: self.state == "Running")
                 if os.environ.get("FAKE_FC_SILENT") or os.environ.get("FAKE_FC_EXIT_ON_START"):
                     continue
-                verb, _, rest = line.decode().strip().partition(" ")
-                token, _, arg = rest.partition(" ")
-                if verb == "PING":
-                    reply = f"PONG {token}\n"
-                elif verb == "RUN":
-                    out = f"guest {self.guest_id} ran: {base64.b64decode(arg).decode()}\n"
-                    reply = f"OUT {token} {base64.b64encode(out.encode()).decode()}\r\nEXIT {token} 0\r\n"
+                try:
+                    req = json.loads(line)
+                except ValueError:
+                    continue  # a partial line from an earlier host
+                rid = req.get("id")
+                if req.get("op") == "hello":
+                    reply = json.dumps({"id": rid, "end": True, "boot": self.guest_id}) + "\n"
+                elif req.get("op") == "start":
+                    out = f"guest {self.guest_id} ran: {req['args'][-1]}\n"
+                    reply = "".join(json.dumps(r) + "\r\n" for r in (
+                        {"id": rid, "pid": 1},
+                        {"id": rid, "fd": 1, "off": 0, "data": base64.b64encode(out.encode()).decode()},
+                        {"id": rid, "end": True, "exit": {"code": 0, "status": "exit status 0"}}))
                 else:
-                    reply = f"ERR {token} unknown-verb\n"
+                    reply = json.dumps({"id": rid, "end": True, "code": "invalid", "error": "unknown op"}) + "\n"
                 os.write(wfd, reply.encode())
 
 

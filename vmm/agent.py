@@ -1,37 +1,49 @@
 """Host side of the guest agent protocol (vmm/guest/README.md).
 
-One line per message over the virtio-serial port's unix socket:
-`PING id` -> `PONG id`; `RUN id <base64 cmd>` -> `OUT id <base64 output>`,
-`EXIT id <code>`. Lines sent while nothing in the guest has the port open are
-dropped, so `wait_ready` resends PING until a PONG arrives, and `run` on a
-connection that has not seen a PONG yet (a new process attaching to a running
-VM) does that first; replies to ids we are not waiting for (from an earlier
-connection) are skipped.
+JSON lines both ways over the VM's virtio-serial port (a unix socket here):
+every request carries an `id`; the guest answers each with one final reply
+(`end: true`, or `error` + `code`), streams (process output, file reads,
+watches) send more replies with the same id before it. Many requests are in
+flight at once: one reader thread per connection hands each reply to the
+queue of the request that owns its id, and replies to ids nobody waits for
+(an earlier connection's) are dropped.
 
-The guest is not trusted. A reply line longer than the caller's output cap
-is cut while it arrives: its head is kept, the rest read and dropped, so a
-guest printing gigabytes costs the host a bounded buffer, and the result
-says how much was dropped. One request at a time per Agent (a lock), so two
-threads' commands on one sandbox never read each other's replies.
+Lines sent while nothing in the guest has the port open are dropped, so a
+new connection resends `hello` until the guest answers; the hello's session
+token tells the guest that the previous connection's streams are dead.
+
+The guest is not trusted: a line longer than MAX_LINE is cut and dropped, a
+reply that is not a JSON object is skipped, each request's queue is bounded
+(a consumer that stops reading loses its stream, not the host's memory), and
+the number of requests in flight per sandbox is capped.
 """
 
 from __future__ import annotations
 
 import base64
 import itertools
+import json
+import queue
+import secrets
+import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from layerstore.errors import StrataError
 
 
-DEFAULT_MAX_OUTPUT = 1 << 20  # bytes of a command's output kept; config `exec_output_limit`
-SMALL_LINE = 4096  # any reply but OUT is this short; longer is nonsense
+DEFAULT_MAX_OUTPUT = 1 << 20  # bytes of a command's output kept by `run`; config `exec_output_limit`
+MAX_LINE = 4 << 20  # a guest line longer than this is dropped (the agent sends <= ~350 KiB)
+MAX_IN_FLIGHT = 512  # requests open at once on one sandbox
+QUEUE_REPLIES = 1024  # replies buffered per request before its stream is dropped
+WRITE_BLOCK = 256 << 10  # bytes of a file per write message
+HELLO_EVERY = 0.25  # seconds between hellos while the guest has not answered
+SEND_TIMEOUT = 30.0  # a guest that takes no input for this long is stuck
 
 
 class AgentError(StrataError):
@@ -43,7 +55,20 @@ class AgentTimeout(AgentError):
 
 
 class AgentBusy(AgentError):
-    """Another request holds this sandbox's agent for longer than we wait."""
+    """Too many requests are open on this sandbox's agent."""
+
+
+class AgentGone(AgentError):
+    """The connection to the agent closed (the VM stopped, paused or moved)."""
+
+
+class GuestRefused(AgentError):
+    """The guest answered with an error; `code` says which kind
+    (not_found exists invalid denied not_dir is_dir internal)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -53,150 +78,465 @@ class RunResult:
     dropped: int = 0  # bytes of output past the cap, not kept
 
 
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    status: str
+    signal: int = 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A file in the guest, as the agent's `stat` sees it."""
+    name: str
+    type: str  # file dir symlink other
+    path: str
+    size: int
+    mode: int
+    perm: str
+    owner: str
+    group: str
+    mtime_ns: int
+    symlink: str = ""
+
+    @classmethod
+    def parse(cls, d: Any) -> "Entry":
+        try:
+            return cls(str(d["name"]), str(d["type"]), str(d["path"]), int(d["size"]), int(d["mode"]),
+                       str(d["perm"]), str(d["owner"]), str(d["group"]), int(d["mtime_ns"]),
+                       str(d.get("symlink", "")))
+        except (KeyError, TypeError, ValueError):
+            raise AgentError(f"guest agent sent a malformed file entry: {str(d)[:80]!r}") from None
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    cmd: str
+    args: list[str]
+    env: dict[str, str]
+    cwd: str
+    tag: str = ""
+
+
+@dataclass(frozen=True)
+class Output:
+    """A piece of a process's output: fd 1 stdout, 2 stderr, 3 terminal.
+    `offset` counts all of the process's output; `lost` bytes before it
+    were dropped by the guest's ring before anyone read them."""
+    fd: int
+    data: bytes
+    offset: int
+    lost: int = 0
+
+
 def truncation_marker(dropped: int, cap: int) -> str:
     return f"\n[strata: output truncated: {dropped} more bytes past the {cap}-byte limit]\n"
 
 
+_CLOSED = object()  # queued to every open request when the connection ends
+
+
+class Stream:
+    """The replies to one request, in order; iterate, or `cancel()`."""
+
+    def __init__(self, agent: "Agent", rid: int, conn: "_Conn") -> None:
+        self.agent, self.id, self._conn = agent, rid, conn
+        self.replies: queue.Queue[Any] = queue.Queue(QUEUE_REPLIES)
+        self.done = False
+
+    def next(self, timeout: float) -> dict[str, Any]:
+        """The next reply; the final one has `end`. Raises GuestRefused for an
+        error reply, AgentGone if the connection ended, AgentTimeout."""
+        if self.done:
+            raise AgentError("stream already ended")
+        try:
+            reply = self.replies.get(timeout=max(timeout, 0))
+        except queue.Empty:
+            raise AgentTimeout(f"the guest agent did not answer within {timeout:.0f} s") from None
+        if reply is _CLOSED:
+            self._finish()
+            raise AgentGone("agent connection closed (VM stopped, paused or gone)")
+        if reply.get("error") is not None or reply.get("end"):
+            self._finish()
+        if reply.get("error") is not None:
+            raise GuestRefused(str(reply["error"])[:500], str(reply.get("code", "internal")))
+        return reply
+
+    def _finish(self) -> None:
+        self.done = True
+        self._conn.forget(self.id)
+
+    def cancel(self) -> None:
+        """Stop the stream in the guest (a process keeps running)."""
+        if not self.done:
+            self._finish()
+            try:
+                self._conn.send({"op": "cancel", "id": next(self.agent._ids), "target": self.id})
+            except AgentError:
+                pass
+
+
+class _Conn:
+    """One connection to the agent and its reader thread."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        # A socket stays blocking: the reader sleeps in recv (close's shutdown
+        # wakes it) and sends poll for room first. A serial channel polls in
+        # its recv, and its sendall has a deadline of its own.
+        self.is_socket = isinstance(sock, socket.socket)
+        sock.settimeout(None if self.is_socket else 0.5)
+        self.session = secrets.token_hex(8)
+        self.open: dict[int, Stream] = {}
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.alive = True
+        self.dropped_lines = 0
+        self.reader = threading.Thread(target=self._read, daemon=True, name="strata-agent-reader")
+        self.reader.start()
+
+    def send(self, message: dict[str, Any]) -> None:
+        line = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        try:
+            with self.send_lock:
+                if self.is_socket:
+                    _send_within(self.sock, line, SEND_TIMEOUT)
+                else:
+                    self.sock.sendall(line)
+        except OSError as exc:
+            self.close()
+            raise AgentGone(f"agent connection failed: {exc.strerror or exc} (VM stopped?)") from None
+
+    def register(self, stream: Stream) -> None:
+        with self.lock:
+            if not self.alive:
+                raise AgentGone("agent connection closed (VM stopped?)")
+            if len(self.open) >= MAX_IN_FLIGHT:
+                raise AgentBusy(f"{MAX_IN_FLIGHT} requests are already open on this sandbox's agent")
+            self.open[stream.id] = stream
+
+    def forget(self, rid: int) -> None:
+        with self.lock:
+            self.open.pop(rid, None)
+
+    def _read(self) -> None:
+        buf, skipping = b"", False
+        try:
+            while self.alive:
+                try:
+                    part = self.sock.recv(1 << 20)
+                except (TimeoutError, socket.timeout):
+                    continue
+                if not part:
+                    break
+                buf += part
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if skipping:  # the end of an over-long line
+                        skipping = False
+                        continue
+                    self._deliver(line)
+                if len(buf) > MAX_LINE:
+                    buf, skipping = b"", True
+                    self.dropped_lines += 1
+        except OSError:
+            pass
+        self.close()
+
+    def _deliver(self, line: bytes) -> None:
+        try:
+            reply = json.loads(line)
+            rid = reply["id"]
+        except (ValueError, TypeError, KeyError):
+            self.dropped_lines += 1
+            return
+        with self.lock:
+            stream = self.open.get(rid) if isinstance(rid, int) else None
+        if stream is None:
+            return
+        try:
+            stream.replies.put(reply, timeout=10)
+        except queue.Full:  # its reader stopped reading: drop the stream, not the host
+            self.forget(rid)
+
+    def close(self) -> None:
+        with self.lock:
+            was, self.alive = self.alive, False
+            streams, self.open = list(self.open.values()), {}
+        if not was:
+            return
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError):
+            pass
+        self.sock.close()
+        for s in streams:
+            try:
+                s.replies.put_nowait(_CLOSED)
+            except queue.Full:
+                pass
+
+
 class Agent:
+    """The host's handle on one VM's guest agent; safe to share between threads."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
-        self._sock: socket.socket | None = None
-        self._buf = b""
         self._ids = itertools.count(1)
-        self._synced = False  # a PONG arrived on the current connection
-        self._cut: bytes | None = None  # head of an over-long line being dropped
-        self._dropped = 0  # bytes of that line dropped so far
+        self._conn: _Conn | None = None
         self._lock = threading.Lock()
+        self.boot = ""  # the guest agent's boot token: changes when the guest rebooted
 
-    def _connect(self, deadline: float) -> socket.socket:
-        while self._sock is None:
+    def _open(self, deadline: float) -> Any:
+        """A connected socket-like object (sendall, recv, settimeout, close)."""
+        while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 s.connect(self.path)
-                self._sock = s
+                return s
             except (FileNotFoundError, ConnectionRefusedError):
                 s.close()
                 if time.monotonic() > deadline:
                     raise AgentError(f"agent socket {self.path} did not appear") from None
                 time.sleep(0.05)
-        return self._sock
 
-    def _send(self, line: str, deadline: float) -> None:
-        try:
-            self._connect(deadline).sendall(line.encode())
-        except OSError as exc:
-            raise AgentError(f"agent connection failed: {exc.strerror or exc} (VM stopped?)") from None
-
-    def _line(self, deadline: float, *, cap: int = SMALL_LINE) -> tuple[str, int] | None:
-        """The next line with how many of its bytes past `cap` were dropped;
-        ("", 0) when 0.25 s pass without one (wait_ready resends), None at
-        `deadline`."""
-        sock = self._connect(deadline)
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            sock.settimeout(min(left, 0.25))
+    def _connection(self, deadline: float) -> _Conn:
+        with self._lock:
+            if self._conn is not None and self._conn.alive:
+                return self._conn
+            conn = _Conn(self._open(deadline))
             try:
-                part = sock.recv(1 << 20)
-            except socket.timeout:
-                return "", 0
-            except OSError as exc:
-                raise AgentError(f"agent connection failed: {exc.strerror or exc} (VM stopped?)") from None
-            if not part:
-                raise AgentError("agent connection closed (VM stopped?)")
-            self._buf += part
-            if len(self._buf) > cap and b"\n" not in self._buf:
-                self._drop(cap)
-        raw, _, self._buf = self._buf.partition(b"\n")
-        dropped = 0
-        if self._cut is not None:  # the end of a line whose head we kept
-            raw, dropped = self._cut, self._dropped + len(raw)
-            self._cut, self._dropped = None, 0
-        elif len(raw) > cap:
-            raw, dropped = raw[:cap], len(raw) - cap
-        return raw.decode("ascii", "replace").strip(), dropped
+                self._hello(conn, deadline)
+            except AgentError:
+                conn.close()
+                raise
+            self._conn = conn
+            return conn
 
-    def _drop(self, cap: int) -> None:
-        if self._cut is None:
-            self._cut, self._buf = self._buf[:cap], self._buf[cap:]
-        self._dropped += len(self._buf)
-        self._buf = b""
+    def _hello(self, conn: _Conn, deadline: float) -> None:
+        while True:
+            stream = Stream(self, next(self._ids), conn)
+            conn.register(stream)
+            conn.send({"op": "hello", "id": stream.id, "session": conn.session})
+            left = deadline - time.monotonic()
+            try:
+                reply = stream.next(min(HELLO_EVERY, max(left, 0.01)))
+            except AgentTimeout:
+                conn.forget(stream.id)
+                if left <= 0:
+                    raise AgentTimeout("guest agent did not answer") from None
+                continue
+            self.boot = str(reply.get("boot", ""))
+            return
 
     def wait_ready(self, timeout: float = 60.0) -> float:
-        """Resend PING until the guest answers; returns seconds waited."""
-        with self._hold(timeout):
-            return self._ping(timeout)
-
-    def _ping(self, timeout: float) -> float:
+        """Connect and resend hello until the guest answers; returns seconds waited."""
         started = time.monotonic()
-        deadline = started + timeout
-        while time.monotonic() < deadline:
-            token = f"p{next(self._ids)}"
-            self._send(f"PING {token}\n", deadline)
-            until = min(deadline, time.monotonic() + 0.25)
-            while (got := self._line(until)) is not None:
-                if got[0] == f"PONG {token}":
-                    self._synced = True
-                    return time.monotonic() - started
-        raise AgentTimeout(f"guest agent did not answer within {timeout:.0f} s")
-
-    @contextmanager
-    def _hold(self, timeout: float) -> Iterator[None]:
-        if not self._lock.acquire(timeout=timeout):
-            raise AgentBusy(f"another command kept the sandbox's agent busy for {timeout:.0f} s")
         try:
-            yield
-        finally:
-            self._lock.release()
+            self._connection(started + timeout)
+        except AgentTimeout:
+            raise AgentTimeout(f"guest agent did not answer within {timeout:.0f} s") from None
+        return time.monotonic() - started
 
-    def run(self, command: str, *, timeout: float = 60.0, max_output: int = DEFAULT_MAX_OUTPUT) -> RunResult:
-        """Run `sh -c command` in the guest; output is stdout and stderr
-        together, its first `max_output` bytes kept (then a marker)."""
+    def open_stream(self, op: str, *, timeout: float = 60.0, **fields: Any) -> Stream:
+        """Send a request; its replies arrive on the returned Stream."""
+        conn = self._connection(time.monotonic() + timeout)
+        stream = Stream(self, next(self._ids), conn)
+        conn.register(stream)
+        conn.send({"op": op, "id": stream.id, **fields})
+        return stream
+
+    def call(self, op: str, *, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
+        """A request with one reply."""
         deadline = time.monotonic() + timeout
-        with self._hold(timeout):
-            if not self._synced:
-                self._ping(max(deadline - time.monotonic(), 0.1))
-            return self._run(command, deadline, timeout, max_output)
+        stream = self.open_stream(op, timeout=timeout, **fields)
+        try:
+            while True:
+                reply = stream.next(deadline - time.monotonic())
+                if reply.get("end"):
+                    return reply
+        except AgentTimeout:
+            stream.cancel()
+            raise
 
-    def _run(self, command: str, deadline: float, timeout: float, max_output: int) -> RunResult:
-        token = f"r{next(self._ids)}"
-        self._send(f"RUN {token} {base64.b64encode(command.encode()).decode()}\n", deadline)
-        cap = len(f"OUT {token} ") + -(-max_output // 3) * 4  # base64 of max_output bytes
-        output, dropped = "", 0
-        while True:
-            got = self._line(deadline, cap=cap)
-            if got is None:
-                raise AgentTimeout(f"guest command timed out after {timeout:.0f} s: {command[:60]!r}")
-            line, cut = got
-            parts = line.split(" ", 2)
-            if len(parts) < 2 or parts[1] != token:
-                continue
+    def send(self, op: str, **fields: Any) -> None:
+        """A request whose reply only matters if it fails (file writes)."""
+        conn = self._connection(time.monotonic() + 10)
+        conn.send({"op": op, "id": 0, **fields})
+
+    # --- processes ------------------------------------------------------------
+
+    def start(self, cmd: str, args: list[str], *, env: dict[str, str] | None = None, cwd: str = "",
+              user: str = "", tag: str = "", stdin: bool = False, merge: bool = False, pty: tuple[int, int] | None = None,
+              timeout: float = 60.0) -> tuple[int, Stream]:
+        """Start a process; returns its pid and the stream of its output
+        (`output_events` reads it)."""
+        fields: dict[str, Any] = {"cmd": cmd, "args": args, "env": env or {}, "cwd": cwd, "user": user,
+                                  "tag": tag, "stdin": stdin, "merge": merge}
+        if pty is not None:
+            fields["pty"] = {"cols": pty[0], "rows": pty[1]}
+        stream = self.open_stream("start", timeout=timeout, **fields)
+        first = stream.next(timeout)
+        return _int(first, "pid"), stream
+
+    def attach(self, pid: int, *, offset: int = -1, timeout: float = 60.0) -> Stream:
+        """Follow a running (or recently exited) process's output from
+        `offset` (-1: only what comes next)."""
+        stream = self.open_stream("attach", timeout=timeout, pid=pid, **{"from": offset})
+        stream.next(timeout)
+        return stream
+
+    def processes(self, *, timeout: float = 30.0) -> list[ProcessInfo]:
+        out = []
+        for p in self.call("list", timeout=timeout).get("procs") or []:
             try:
-                if parts[0] == "OUT":
-                    output, dropped = self._output(parts[2] if len(parts) > 2 else "", cut, max_output)
-                elif parts[0] == "EXIT" and not cut:
-                    return RunResult(int(parts[2]), output, dropped)
-                elif cut:
-                    raise ValueError("over-long line")
-            except (ValueError, IndexError):  # bad base64, a code that is not a number, a missing field
-                self.close()  # what follows on this connection cannot be trusted: resync on the next command
-                raise AgentError(f"guest agent sent a malformed reply: {line[:80]!r}") from None
-            if parts[0] == "ERR":
-                raise AgentError(f"guest agent refused the command: {line}")
+                out.append(ProcessInfo(int(p["pid"]), str(p["cmd"]), [str(a) for a in p.get("args") or []],
+                                       {str(k): str(v) for k, v in (p.get("env") or {}).items()},
+                                       str(p.get("cwd", "")), str(p.get("tag", ""))))
+            except (KeyError, TypeError, ValueError):
+                raise AgentError(f"guest agent sent a malformed process: {str(p)[:80]!r}") from None
+        return out
 
-    @staticmethod
-    def _output(b64: str, cut: int, max_output: int) -> tuple[str, int]:
-        """Decode an OUT payload; one cut short keeps its whole base64 quads."""
-        if cut:
-            b64 = b64[:len(b64) // 4 * 4]
-        data = base64.b64decode(b64, validate=True)
-        dropped = len(data) - max_output + cut * 3 // 4 if cut else max(len(data) - max_output, 0)
-        text = data[:max_output].decode("utf-8", "replace")
-        return (text + truncation_marker(dropped, max_output), dropped) if dropped else (text, 0)
+    def send_input(self, pid: int, data: bytes, *, timeout: float = 30.0) -> None:
+        self.call("input", timeout=timeout, pid=pid, data=base64.b64encode(data).decode())
+
+    def close_stdin(self, pid: int, *, timeout: float = 30.0) -> None:
+        self.call("close_stdin", timeout=timeout, pid=pid)
+
+    def signal(self, pid: int, sig: int, *, timeout: float = 30.0) -> None:
+        self.call("signal", timeout=timeout, pid=pid, sig=sig)
+
+    def resize(self, pid: int, cols: int, rows: int, *, timeout: float = 30.0) -> None:
+        self.call("resize", timeout=timeout, pid=pid, pty={"cols": cols, "rows": rows})
+
+    def run(self, command: str, *, timeout: float = 60.0, max_output: int = DEFAULT_MAX_OUTPUT,
+            env: dict[str, str] | None = None) -> RunResult:
+        """Run `sh -c command` in /root; output is stdout and stderr in the
+        order they arrived, its first `max_output` bytes kept (then a marker)."""
+        deadline = time.monotonic() + timeout
+        _, stream = self.start("/bin/sh", ["-c", command], env=env, cwd="/root", merge=True, timeout=timeout)
+        kept, dropped = bytearray(), 0
+        try:
+            for event in output_events(stream, deadline):
+                if isinstance(event, Exit):
+                    text = kept.decode("utf-8", "replace")
+                    if dropped:
+                        text += truncation_marker(dropped, max_output)
+                    return RunResult(event.code if event.code >= 0 else 128 + event.signal, text, dropped)
+                room = max_output - len(kept)
+                kept += event.data[:room]
+                dropped += max(len(event.data) - room, 0)
+        except AgentTimeout:
+            stream.cancel()
+            raise AgentTimeout(f"guest command timed out after {timeout:.0f} s: {command[:60]!r}") from None
+        raise AgentError("the guest ended the command's stream without an exit")
+
+    # --- files ----------------------------------------------------------------
+
+    def stat(self, path: str, *, user: str = "", timeout: float = 30.0) -> Entry:
+        return Entry.parse(self.call("stat", timeout=timeout, path=path, user=user).get("entry"))
+
+    def list_dir(self, path: str, *, depth: int = 1, user: str = "", timeout: float = 60.0) -> list[Entry]:
+        reply = self.call("ls", timeout=timeout, path=path, depth=depth, user=user)
+        return [Entry.parse(e) for e in reply.get("entries") or []]
+
+    def make_dir(self, path: str, *, user: str = "", timeout: float = 30.0) -> Entry:
+        return Entry.parse(self.call("mkdir", timeout=timeout, path=path, user=user).get("entry"))
+
+    def move(self, source: str, dest: str, *, user: str = "", timeout: float = 30.0) -> Entry:
+        return Entry.parse(self.call("move", timeout=timeout, path=source, dest=dest, user=user).get("entry"))
+
+    def remove(self, path: str, *, user: str = "", timeout: float = 60.0) -> None:
+        self.call("remove", timeout=timeout, path=path, user=user)
+
+    def read_file(self, path: str, *, user: str = "", timeout: float = 60.0) -> Iterator[bytes]:
+        """The file's bytes in blocks; `timeout` bounds the wait for each block.
+        The first block (or the error) is fetched before this returns."""
+        stream = self.open_stream("read", timeout=timeout, path=path, user=user)
+        first = stream.next(timeout)
+        return _file_blocks(stream, first, timeout)
+
+    def write_file(self, path: str, blocks: Iterable[bytes], *, user: str = "",
+                   timeout: float = 60.0) -> Entry:
+        """Write a file (parents made, replaced if there) from blocks of any
+        size; sent pipelined, checked once at the end."""
+        handle = _int(self.call("open", timeout=timeout, path=path, user=user), "handle")
+        try:
+            for block in blocks:
+                for i in range(0, len(block), WRITE_BLOCK):
+                    self.send("write", handle=handle, data=base64.b64encode(block[i:i + WRITE_BLOCK]).decode())
+        finally:
+            reply = self.call("close", timeout=timeout, handle=handle)
+        return Entry.parse(reply.get("entry"))
+
+    def watch(self, path: str, *, recursive: bool = False, timeout: float = 30.0) -> Stream:
+        """A stream of {"event": {"name", "type"}} replies for changes under path."""
+        stream = self.open_stream("watch", timeout=timeout, path=path, recursive=recursive)
+        stream.next(timeout)
+        return stream
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._synced = False
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def output_events(stream: Stream, deadline: float | None = None,
+                  idle: float = 3600.0) -> Iterator[Output | Exit]:
+    """A process stream's output as Output events, ending with its Exit.
+    `deadline` (monotonic) bounds the whole stream; `idle` each wait."""
+    while True:
+        wait = idle if deadline is None else min(idle, deadline - time.monotonic())
+        reply = stream.next(wait)
+        if reply.get("end"):
+            ex = reply.get("exit") or {}
+            try:
+                yield Exit(int(ex.get("code", -1)), str(ex.get("status", "")), int(ex.get("signal", 0)))
+            except (TypeError, ValueError):
+                raise AgentError(f"guest agent sent a malformed exit: {str(ex)[:80]!r}") from None
+            return
+        data = reply.get("data")
+        if data:
+            yield Output(_int(reply, "fd"), _b64(data), _int(reply, "off"), int(reply.get("lost") or 0))
+
+
+def _file_blocks(stream: Stream, first: dict[str, Any], timeout: float) -> Iterator[bytes]:
+    reply = first
+    try:
+        while not reply.get("end"):
+            if reply.get("data"):
+                yield _b64(reply["data"])
+            reply = stream.next(timeout)
+    finally:
+        stream.cancel()
+
+
+def _send_within(sock: socket.socket, data: bytes, timeout: float) -> None:
+    """sendall on a blocking socket, but a peer that takes nothing for
+    `timeout` seconds is an error rather than a hang."""
+    view, deadline = memoryview(data), time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    while view:
+        if not poller.poll(max(deadline - time.monotonic(), 0) * 1000):
+            raise TimeoutError("the guest agent takes no input")
+        try:
+            view = view[sock.send(view, socket.MSG_DONTWAIT):]
+        except BlockingIOError:
+            continue
+
+
+def _b64(data: Any) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (ValueError, TypeError):
+        raise AgentError("guest agent sent malformed data") from None
+
+
+def _int(reply: dict[str, Any], key: str) -> int:
+    try:
+        return int(reply.get(key) or 0)
+    except (TypeError, ValueError):
+        raise AgentError(f"guest agent sent a malformed {key}: {str(reply.get(key))[:40]!r}") from None

@@ -419,6 +419,9 @@ class _SerialChannel:
     def settimeout(self, timeout: float | None) -> None:
         self._timeout = timeout
 
+    def shutdown(self, how: int) -> None:
+        pass  # close() is enough: the reader polls with a timeout
+
     def _wait(self, fd: int, event: int, timeout: float | None) -> bool:
         poller = select.poll()  # not select(): a busy service may hold fds above 1024
         poller.register(fd, event)
@@ -457,23 +460,30 @@ class _SerialChannel:
 class SerialAgent(Agent):
     """`Agent` over Firecracker's serial port instead of a unix socket.
 
-    Only the transport differs, so this overrides `_connect` to hand Agent a
-    `_SerialChannel` (socket-like) and keeps the protocol code (PING resends,
-    id matching, base64) in one place.
+    Only the transport differs, so this overrides `_open` to hand Agent a
+    `_SerialChannel` (socket-like) and keeps the protocol code (hellos, id
+    matching, streams) in one place.
     """
 
     def __init__(self, workdir: Path) -> None:
         super().__init__(workdir / SERIAL_OUT)
         self.workdir = workdir
+        self._held: _SerialChannel | None = None
 
-    def _connect(self, deadline: float) -> socket.socket:
-        if self._sock is None:
-            self._sock = _SerialChannel(self.workdir)  # type: ignore[assignment]
-        return self._sock  # type: ignore[return-value]
+    def _open(self, deadline: float) -> _SerialChannel:
+        channel, self._held = self._held, None
+        return channel if channel is not None else _SerialChannel(self.workdir)
 
     def connect(self) -> None:
-        """Open the port now (AgentError if another process holds it)."""
-        self._connect(time.monotonic())
+        """Take the port now (AgentError if another process holds it)."""
+        if self._held is None:
+            self._held = _SerialChannel(self.workdir)
+
+    def close(self) -> None:
+        super().close()
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
 
 # --- VMs and the backend ---------------------------------------------------------

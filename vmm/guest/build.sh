@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # build.sh OUTDIR -- build the Strata guest into OUTDIR:
 #   vmlinuz            Debian's cloud kernel (its .deb is cached in OUTDIR)
-#   initramfs.cpio.gz  busybox + virtio modules; /init switch_roots to /dev/vda
+#   initramfs.cpio.gz  busybox + virtio modules + the agent (built from agent/);
+#                      /init starts the agent and switch_roots to /dev/vda
 #   rootfs.ext4        64 MiB ext4 (mke2fs -d, no mount/loop/root needed)
 # Idempotent; the only network use is apt. Outputs are reproducible (fixed
 # timestamps, UUID and hash seed) so identical builds dedup in the chunk store.
@@ -15,7 +16,7 @@ export LC_ALL=C
 
 # Host tools (Debian package names).
 missing=()
-for t in busybox:busybox-static mke2fs:e2fsprogs cpio:cpio xz:xz-utils gzip:gzip dpkg:dpkg; do
+for t in busybox:busybox-static mke2fs:e2fsprogs cpio:cpio xz:xz-utils gzip:gzip dpkg:dpkg go:golang-go; do
     command -v "${t%%:*}" >/dev/null || missing+=("${t#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -53,7 +54,6 @@ bbtree() {
     for p in $("$BUSYBOX" --list-full); do
         [ "$p" = bin/busybox ] || ln -sfn /bin/busybox "$t/$p"
     done
-    install -m 0755 "$FILES/strata-agent" "$t/sbin/strata-agent"
     install -m 0755 "$FILES/rcS" "$t/etc/init.d/rcS"
     install -m 0644 "$FILES/inittab" "$t/etc/inittab"
     printf 'root:x:0:0:root:/root:/bin/sh\n' >"$t/etc/passwd"
@@ -63,8 +63,15 @@ bbtree() {
 }
 stamp() { find "$1" -exec touch -h -d "@$EPOCH" {} +; }
 
+# --- the agent: a static Go binary (stdlib only), reproducible ---------------
+AGENT_SRC=$(cd "$(dirname "$0")" && pwd)/agent
+(cd "$AGENT_SRC" && CGO_ENABLED=0 GOFLAGS=-buildvcs=false GOCACHE="$OUT/.gocache" \
+    go build -trimpath -ldflags='-s -w -buildid=' -o "$OUT/strata-agent.tmp" .)
+mv "$OUT/strata-agent.tmp" "$OUT/strata-agent"
+
 # --- initramfs ---------------------------------------------------------------
 I=$OUT/.initramfs; rm -rf "$I"; bbtree "$I"
+install -m 0755 "$OUT/strata-agent" "$I/sbin/strata-agent"
 install -m 0755 "$FILES/init" "$I/init"; mkdir -p "$I/newroot" "$I/lib/modules"
 # insmod order = dependency order (no modprobe/depmod in the initramfs).
 # ext4 and its deps (crc16, mbcache, jbd2) are only loaded if not built in.
@@ -103,4 +110,4 @@ E2FSPROGS_FAKE_TIME=$EPOCH mke2fs -q -F -t ext4 -L strata-root \
     E2FSPROGS_FAKE_TIME=$EPOCH debugfs -w -f - "$OUT/rootfs.ext4.tmp" >/dev/null 2>&1
 mv "$OUT/rootfs.ext4.tmp" "$OUT/rootfs.ext4"
 
-echo "built $OUT: vmlinuz ($KVER) initramfs.cpio.gz rootfs.ext4"
+echo "built $OUT: vmlinuz ($KVER) initramfs.cpio.gz rootfs.ext4 strata-agent"

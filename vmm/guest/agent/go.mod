@@ -1,0 +1,3 @@
+module strata/agent
+
+go 1.19
