@@ -3,8 +3,9 @@
 Paths, bodies and status codes of the sandbox endpoints are E2B's (see
 api/models.py, and tests/test_e2b_spec.py for where and why they differ);
 Strata's own endpoints cover images, snapshots, templates, the cache and
-exec. Every route except /health needs `X-API-Key`; /admin/* needs an admin
-key. Routes are in api/routes/ (one router per resource), authentication
+exec. Every route except /health and envd's data plane (which takes a
+sandbox's access token, api/routes/envd.py) needs `X-API-Key`; /admin/*
+needs an admin key. Routes are in api/routes/ (one router per resource), authentication
 and the node dependency in api/deps.py, the error mapping in api/errors.py.
 
 The node is the app's state, not captured by the routes, so the app can be
@@ -25,6 +26,7 @@ from . import errors
 from .deps import KEY_HEADER
 from .node import Node
 from .routes import ROUTERS
+from .routes.envd import is_data_plane
 from .teams import caller_of
 
 TITLE = "Strata node API"
@@ -59,7 +61,7 @@ async def _key_first(request: Request, call_next: Callable[[Request], Awaitable[
     an anonymous client gets 401, never a parse error, and cannot make the
     node buffer what it sends. (The routes' own dependencies check again,
     and tell admin keys apart.)"""
-    if (request.method, request.url.path) not in OPEN:
+    if (request.method, request.url.path) not in OPEN and not is_data_plane(request.url.path):
         given = request.headers.get(KEY_HEADER.model.name)
         if caller_of(given, request.app.state.node.config) is None:
             return errors.error_response(401, "missing or invalid X-API-Key")

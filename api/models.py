@@ -17,9 +17,8 @@ from pydantic.json_schema import SkipJsonSchema
 
 from vmm.registry import SandboxRecord
 
-# E2B's envd is not served (sandboxes run Strata's agent; see POST .../exec):
-# the version is the oldest the E2B SDK accepts, so it never assumes envd features.
-ENVD_VERSION = "0.1.0"
+from .envd import ENVD_VERSION  # the envd features the node serves
+
 CLIENT_ID = "strata"
 
 
@@ -71,7 +70,8 @@ class Sandbox(Reply):
 
     @classmethod
     def of(cls, record: SandboxRecord) -> Sandbox:
-        return cls(templateID=record.template or record.source, sandboxID=record.sid)
+        return cls(templateID=record.template or record.source, sandboxID=record.sid,
+                   envdAccessToken=record.access_token or None)
 
 
 class ListedSandbox(Reply):

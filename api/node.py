@@ -21,6 +21,7 @@ HTTP layer (api/app.py, api/routes/) calls one of these per request.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.refs import parse_ref
 from layerstore.store import Store
 from layerstore.templates import check_template_name
+from vmm.agent import Agent
 from vmm.registry import SandboxRecord, new_sid
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
@@ -46,7 +48,9 @@ from .errors import Capacity
 from .maintenance import Maintenance
 from .metrics import Metrics
 from .supervisor import MountSupervisor
-from .teams import ADMIN, Caller, check_quota
+from .connect import ConnectError
+from .envd import Target, Watchers, new_token
+from .teams import ADMIN, Caller, caller_of, check_quota
 from .uploads import reap as reap_uploads
 
 log = logging.getLogger("strata.api")
@@ -80,6 +84,7 @@ class Node:
                                node_users=boxes.registry.snapshot_users)
         self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
         self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: POOL_KEY in r.metadata)
+        self.watchers = Watchers()
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
@@ -264,6 +269,32 @@ class Node:
         caller.check_sees(record.team, f"sandbox {sid} not found")
         return record
 
+    def data_plane(self, sid: str, *, token: str | None, key: str | None, user: str) -> Target:
+        """The sandbox an envd request is for, if its access token (or an
+        API key of its team) says the caller may use it. A wrong token and
+        an unknown sandbox get the same answer."""
+        denied = ConnectError("unauthenticated", f"missing or invalid access token for sandbox {sid!r}")
+        if not sid:
+            raise ConnectError("invalid_argument", "the E2b-Sandbox-Id header is required")
+        try:
+            record = self.record(sid)
+        except NotFound:
+            raise denied from None
+        caller = caller_of(key, self.config) if key else None
+        if not ((token and record.access_token and hmac.compare_digest(token, record.access_token))
+                or (caller is not None and caller.sees(record.team))):
+            raise denied
+
+        def agent_of() -> Agent:
+            try:
+                if self.boxes.registry.load(sid).state == "suspended":
+                    raise ConnectError("unavailable", f"sandbox {sid} is paused: resume it first")
+                return self.boxes.agent(sid)
+            except (NotFound, Conflict):
+                raise ConnectError("unavailable", f"sandbox {sid} is not running") from None
+
+        return Target(sid, agent_of, env=dict(record.env), user=user)
+
     def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
         return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata and caller.sees(r.team)]
 
@@ -289,9 +320,9 @@ class Node:
                     self._reserved.pop(sid, None)
 
     def _start(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
-               auto_pause: bool, team: str = ADMIN.team) -> SandboxRecord:
+               auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None) -> SandboxRecord:
         lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
-                    "auto_pause": auto_pause, "team": team}
+                    "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token()}
         if source.kind == "image":
             with self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
@@ -301,7 +332,7 @@ class Node:
 
     # lifecycle ---------------------------------------------------------------------------
     def create(self, caller: Caller, template_id: str, *, timeout: int | None, auto_pause: bool,
-               metadata: dict[str, str]) -> SandboxRecord:
+               metadata: dict[str, str], env: dict[str, str] | None = None) -> SandboxRecord:
         ttl = self._ttl(timeout)
         if POOL_KEY in metadata:
             raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
@@ -314,14 +345,16 @@ class Node:
                     self.boxes.resume(pooled.sid)
                 self.metrics.pool_hits.inc()
                 return self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
-                                         end_at=time.time() + ttl, auto_pause=auto_pause)  # type: ignore[operator]
+                                         end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
+                                         env=env or {}, access_token=new_token())
             return self._start(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
-                               team=caller.team)
+                               team=caller.team, env=env)
 
     def kill(self, caller: Caller, sid: str) -> None:
         self.record(sid, caller)
         with self.vmm("kill"):
             self.boxes.kill(sid)
+        self.watchers.drop_sandbox(sid)
 
     def pause(self, caller: Caller, sid: str) -> str:
         """E2B's pause: snapshot to the store and free the VM (Conflict if already paused)."""
@@ -372,8 +405,9 @@ class Node:
         names = [new_sid() for _ in range(count)]
         with self._capacity(names, Caller(record.team)), self.vmm("fork"):
             forks = self.boxes.fork(sid, count, names=names, template=record.template, team=record.team,
-                                    end_at=time.time() + ttl, auto_pause=record.auto_pause)  # type: ignore[operator]
-        return [f.record for f in forks]
+                                    end_at=time.time() + ttl, auto_pause=record.auto_pause,  # type: ignore[operator]
+                                    env=record.env)
+        return [self.boxes.update(f.record.sid, access_token=new_token()) for f in forks]  # one token each
 
     def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:
         record = self.record(sid, caller)

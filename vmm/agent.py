@@ -144,6 +144,7 @@ class Stream:
         self.agent, self.id, self._conn = agent, rid, conn
         self.replies: queue.Queue[Any] = queue.Queue(QUEUE_REPLIES)
         self.done = False
+        self.offset = 0  # a process stream: the output offset it starts at
 
     def next(self, timeout: float) -> dict[str, Any]:
         """The next reply; the final one has `end`. Raises GuestRefused for an
@@ -378,13 +379,14 @@ class Agent:
             fields["pty"] = {"cols": pty[0], "rows": pty[1]}
         stream = self.open_stream("start", timeout=timeout, **fields)
         first = stream.next(timeout)
+        stream.offset = _int(first, "off")
         return _int(first, "pid"), stream
 
     def attach(self, pid: int, *, offset: int = -1, timeout: float = 60.0) -> Stream:
         """Follow a running (or recently exited) process's output from
         `offset` (-1: only what comes next)."""
         stream = self.open_stream("attach", timeout=timeout, pid=pid, **{"from": offset})
-        stream.next(timeout)
+        stream.offset = _int(stream.next(timeout), "off")
         return stream
 
     def processes(self, *, timeout: float = 30.0) -> list[ProcessInfo]:
@@ -461,14 +463,25 @@ class Agent:
                    timeout: float = 60.0) -> Entry:
         """Write a file (parents made, replaced if there) from blocks of any
         size; sent pipelined, checked once at the end."""
-        handle = _int(self.call("open", timeout=timeout, path=path, user=user), "handle")
+        handle = self.open_write(path, user=user, timeout=timeout)
         try:
             for block in blocks:
-                for i in range(0, len(block), WRITE_BLOCK):
-                    self.send("write", handle=handle, data=base64.b64encode(block[i:i + WRITE_BLOCK]).decode())
+                self.write_block(handle, block)
         finally:
-            reply = self.call("close", timeout=timeout, handle=handle)
-        return Entry.parse(reply.get("entry"))
+            entry = self.close_write(handle, timeout=timeout)
+        return entry
+
+    def open_write(self, path: str, *, user: str = "", timeout: float = 60.0) -> int:
+        """Start writing a file; send its bytes with write_block, then close_write."""
+        return _int(self.call("open", timeout=timeout, path=path, user=user), "handle")
+
+    def write_block(self, handle: int, block: bytes) -> None:
+        for i in range(0, len(block), WRITE_BLOCK):
+            self.send("write", handle=handle, data=base64.b64encode(block[i:i + WRITE_BLOCK]).decode())
+
+    def close_write(self, handle: int, *, timeout: float = 60.0) -> Entry:
+        """Finish a file: its entry, or the first error any write met."""
+        return Entry.parse(self.call("close", timeout=timeout, handle=handle).get("entry"))
 
     def watch(self, path: str, *, recursive: bool = False, timeout: float = 30.0) -> Stream:
         """A stream of {"event": {"name", "type"}} replies for changes under path."""

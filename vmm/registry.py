@@ -78,6 +78,8 @@ class SandboxRecord:
     operation: str = ""
     team: str = "default"  # the API's owning team (an opaque label to the VMM layer)
     recovered: str = ""  # what recovery did to this sandbox after a failure of the node, and when
+    env: dict[str, str] = field(default_factory=dict)  # given to every process the API starts in it
+    access_token: str = ""  # the API's data-plane token for this sandbox (opaque to the VMM layer)
 
 
 def new_sid() -> str:

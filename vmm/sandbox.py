@@ -48,7 +48,7 @@ from layerstore.refs import parse_ref
 from layerstore.snapshot import Snapshot
 from layerstore.store import Store
 
-from .agent import DEFAULT_MAX_OUTPUT, RunResult
+from .agent import DEFAULT_MAX_OUTPUT, Agent, RunResult
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
 from .registry import MAX_FORKS, LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 
@@ -199,12 +199,18 @@ class Sandboxes:
             vm = self._vms[sid] = self.backend.attach(self.registry.workdir(sid))
         return Sandbox(record, vm, self.registry.workdir(sid))
 
-    def exec(self, sid: str, command: str, *, timeout: float, max_output: int = DEFAULT_MAX_OUTPUT) -> RunResult:
-        """Run `sh -c command` in the guest of `sid`. Not under the sandbox's
-        lock (a command may run for an hour; pause need not wait), but one
-        at a time through its agent; output past `max_output` is dropped
-        with a marker (a guest can print without end)."""
-        return self.get(sid).vm.agent.run(command, timeout=timeout, max_output=max_output)
+    def agent(self, sid: str) -> Agent:
+        """The guest agent of running sandbox `sid`, shared by every caller
+        (it multiplexes). Not under the sandbox's lock: a command may run
+        for an hour and pause need not wait; its streams end (AgentGone)
+        when the VM stops."""
+        return self.get(sid).vm.agent
+
+    def exec(self, sid: str, command: str, *, timeout: float, max_output: int = DEFAULT_MAX_OUTPUT,
+             env: dict[str, str] | None = None) -> RunResult:
+        """Run `sh -c command` in the guest of `sid`; output past
+        `max_output` is dropped with a marker (a guest can print without end)."""
+        return self.agent(sid).run(command, timeout=timeout, max_output=max_output, env=env)
 
     def rotate_logs(self, *, limit: int) -> None:
         """Cap the console logs of running sandboxes (called every second by

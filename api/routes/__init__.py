@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import admin, images, node, peers, sandboxes, snapshots, templates
+from . import admin, envd, images, node, peers, sandboxes, snapshots, templates
 
 # the order requests are matched in, and the order of the OpenAPI document
 ROUTERS: tuple[APIRouter, ...] = (node.router, sandboxes.router, snapshots.router, templates.router,
-                                  images.router, peers.router, node.cache_router, admin.router)
+                                  images.router, peers.router, node.cache_router, admin.router,
+                                  envd.router)

@@ -1,0 +1,314 @@
+"""The envd data plane over HTTP: E2B's SDK sends these to `E2B_SANDBOX_URL`
+(the node) with the sandbox in `E2b-Sandbox-Id` and its token in
+`X-Access-Token` (or a key of the sandbox's team in `X-API-Key`).
+
+Only transport here: Connect framing (api/connect.py), /files bodies, and
+errors; what each call does is api/envd.py's. Not in the node's OpenAPI
+document: the contract is envd's process.proto, filesystem.proto and
+envd.yaml.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from layerstore.errors import StrataError
+from vmm.agent import AgentError, AgentTimeout, Stream
+
+from .. import envd
+from ..connect import HTTP_STATUS, STREAM_TYPE, ConnectError, end_of_stream, envelope, request_message
+from ..deps import NodeDep
+from ..envd import Target, entry_info, path_of
+
+router = APIRouter(include_in_schema=False)
+PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+DEFAULT_KEEPALIVE = 50.0  # seconds between keepalive events on a quiet stream (the SDK asks for its own)
+UPLOAD_BLOCK = 1 << 20  # bytes gathered from the request before each hand-off to the agent
+
+
+def is_data_plane(path: str) -> bool:
+    """Paths that authenticate with a sandbox's token instead of an API key."""
+    return path.startswith(PREFIXES) or path == "/files"
+
+
+def _user(request: Request) -> str:
+    """The user of `Authorization: Basic base64(user:)` (the SDK's `user=`), or the query's `username`."""
+    user = request.query_params.get("username", "")
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("basic "):
+        try:
+            user = base64.b64decode(auth[6:].strip(), validate=True).decode().split(":", 1)[0]
+        except (binascii.Error, UnicodeDecodeError):
+            raise ConnectError("invalid_argument", "malformed Authorization header") from None
+    return user
+
+
+async def _target(request: Request, node: Any) -> Target:
+    return await run_in_threadpool(node.data_plane, request.headers.get("e2b-sandbox-id", ""),
+                                   token=request.headers.get("x-access-token"),
+                                   key=request.headers.get("x-api-key"), user=_user(request))
+
+
+# --- Connect services -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rpc:
+    fn: Callable[..., Any]  # (node, target, message, headers) -> a response message, or an iterator of them
+    streaming: bool = False
+
+
+def _keepalive(headers: Any) -> float:
+    try:
+        return max(1.0, float(headers.get("keepalive-ping-interval", DEFAULT_KEEPALIVE)))
+    except ValueError:
+        return DEFAULT_KEEPALIVE
+
+
+def _deadline(headers: Any) -> float | None:
+    try:
+        ms = int(headers.get("connect-timeout-ms", "0"))
+    except ValueError:
+        return None
+    return time.monotonic() + ms / 1000 if ms > 0 else None
+
+
+def _start(node: Any, t: Target, m: dict[str, Any], headers: Any) -> Iterator[dict[str, Any]]:
+    pid, stream = envd.start_process(t, envd.StartRequest.parse(m))
+    return envd.follow(t, pid, stream, keepalive=_keepalive(headers), deadline=_deadline(headers))
+
+
+def _connect(node: Any, t: Target, m: dict[str, Any], headers: Any) -> Iterator[dict[str, Any]]:
+    pid = t.pid_of(m)
+    stream = t.call(lambda a: a.attach(pid))
+    return envd.follow(t, pid, stream, keepalive=_keepalive(headers), deadline=_deadline(headers))
+
+
+def _input(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, Any]:
+    pid, given = t.pid_of(m), m.get("input")
+    if not isinstance(given, dict) or not ({"stdin", "pty"} & given.keys()):
+        raise ConnectError("invalid_argument", "input.stdin or input.pty is required")
+    data = envd._bytes(given.get("stdin", given.get("pty")), "input")
+    t.call(lambda a: a.send_input(pid, data))
+    return {}
+
+
+def _signal(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, Any]:
+    pid, sig = t.pid_of(m), envd.SIGNALS.get(m.get("signal"))
+    if sig is None:
+        raise ConnectError("invalid_argument", f"signal {m.get('signal')!r} is not SIGNAL_SIGTERM or SIGNAL_SIGKILL")
+    t.call(lambda a: a.signal(pid, sig))
+    return {}
+
+
+def _update(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, Any]:
+    pid, size = t.pid_of(m), (m.get("pty") or {}).get("size") if isinstance(m.get("pty"), dict) else None
+    if not isinstance(size, dict):
+        raise ConnectError("invalid_argument", "pty.size is required")
+    t.call(lambda a: a.resize(pid, int(size.get("cols", 80)), int(size.get("rows", 24))))
+    return {}
+
+
+def _watch(node: Any, t: Target, m: dict[str, Any], headers: Any) -> Iterator[dict[str, Any]]:
+    path = path_of(m)
+    stream = t.call(lambda a: a.watch(path, recursive=bool(m.get("recursive"))))
+    return _watch_events(stream, _keepalive(headers))
+
+
+def _watch_events(stream: Stream, keepalive: float) -> Iterator[dict[str, Any]]:
+    try:
+        yield {"start": {}}
+        while True:
+            try:
+                reply = stream.next(keepalive)
+            except AgentTimeout:
+                yield {"keepalive": {}}
+                continue
+            except AgentError as exc:
+                raise envd.connect_error(exc) from None
+            if isinstance(reply.get("event"), dict):
+                yield {"filesystem": envd.watch_event(reply["event"])}
+    finally:
+        stream.cancel()
+
+
+PROCESS = {
+    "Start": Rpc(_start, streaming=True),
+    "Connect": Rpc(_connect, streaming=True),
+    "List": Rpc(lambda n, t, m, h: {"processes": [envd.process_info(p) for p in t.call(lambda a: a.processes())]}),
+    "SendInput": Rpc(_input),
+    "SendSignal": Rpc(_signal),
+    "CloseStdin": Rpc(lambda n, t, m, h: (t.call(lambda a: a.close_stdin(t.pid_of(m))), {})[1]),
+    "Update": Rpc(_update),
+}
+FILESYSTEM = {
+    "Stat": Rpc(lambda n, t, m, h: {"entry": entry_info(t.call(lambda a: a.stat(path_of(m), user=t.user)))}),
+    "MakeDir": Rpc(lambda n, t, m, h: {"entry": entry_info(t.call(lambda a: a.make_dir(path_of(m), user=t.user)))}),
+    "Move": Rpc(lambda n, t, m, h: {"entry": entry_info(t.call(
+        lambda a: a.move(path_of(m, "source"), path_of(m, "destination"), user=t.user)))}),
+    "ListDir": Rpc(lambda n, t, m, h: {"entries": [entry_info(e) for e in t.call(
+        lambda a: a.list_dir(path_of(m), depth=int(m.get("depth") or 1), user=t.user))]}),
+    "Remove": Rpc(lambda n, t, m, h: (t.call(lambda a: a.remove(path_of(m), user=t.user)), {})[1]),
+    "WatchDir": Rpc(_watch, streaming=True),
+    "CreateWatcher": Rpc(lambda n, t, m, h: {"watcherId": n.watchers.create(t, path_of(m), bool(m.get("recursive")))}),
+    "GetWatcherEvents": Rpc(lambda n, t, m, h: {"events": n.watchers.poll(t.sid, str(m.get("watcherId", "")))}),
+    "RemoveWatcher": Rpc(lambda n, t, m, h: (n.watchers.remove(t.sid, str(m.get("watcherId", ""))), {})[1]),
+}
+
+
+@router.post("/process.Process/{method}")
+async def process_service(method: str, request: Request, node: NodeDep) -> Response:
+    return await _rpc(request, node, PROCESS, method)
+
+
+@router.post("/filesystem.Filesystem/{method}")
+async def filesystem_service(method: str, request: Request, node: NodeDep) -> Response:
+    return await _rpc(request, node, FILESYSTEM, method)
+
+
+async def _rpc(request: Request, node: Any, table: dict[str, Rpc], method: str) -> Response:
+    streaming = request.headers.get("content-type", "").startswith(STREAM_TYPE)
+    try:
+        rpc = table.get(method)
+        if rpc is None:
+            raise ConnectError("unimplemented", f"method {method} is not served")
+        message = request_message(request.headers.get("content-type", ""), await request.body())
+        target = await _target(request, node)
+        result = await run_in_threadpool(rpc.fn, node, target, message, request.headers)
+    except ConnectError as exc:
+        if streaming:
+            return Response(end_of_stream(exc), media_type=STREAM_TYPE)
+        return JSONResponse(exc.body(), status_code=HTTP_STATUS[exc.code])
+    if rpc.streaming:
+        return StreamingResponse(_envelopes(result), media_type=STREAM_TYPE)
+    return JSONResponse(result)
+
+
+def _envelopes(messages: Iterator[dict[str, Any]]) -> Iterator[bytes]:
+    try:
+        for message in messages:
+            yield envelope(message)
+    except ConnectError as exc:
+        yield end_of_stream(exc)
+        return
+    except StrataError as exc:
+        yield end_of_stream(ConnectError("internal", str(exc)))
+        return
+    yield end_of_stream()
+
+
+# --- /files ---------------------------------------------------------------------------
+
+
+def _files_error(exc: ConnectError) -> JSONResponse:
+    status = {"not_found": 404, "invalid_argument": 400, "unauthenticated": 401, "permission_denied": 403,
+              "already_exists": 409, "unavailable": 502, "deadline_exceeded": 504}.get(exc.code, 500)
+    return JSONResponse({"code": status, "message": str(exc)}, status_code=status)
+
+
+@router.get("/files")
+async def download(request: Request, node: NodeDep) -> Response:
+    try:
+        target = await _target(request, node)
+        path = request.query_params.get("path", "")
+        if not path:
+            raise ConnectError("invalid_argument", "path is required")
+        blocks = await run_in_threadpool(target.call, lambda a: a.read_file(path, user=target.user))
+    except ConnectError as exc:
+        return _files_error(exc)
+    return StreamingResponse(_guarded(blocks), media_type="application/octet-stream")
+
+
+def _guarded(blocks: Iterator[bytes]) -> Iterator[bytes]:
+    """A file's blocks; a failure midway ends the body early (the client sees
+    a short read, which its Content-Length-free chunked stream reports)."""
+    try:
+        yield from blocks
+    except AgentError:
+        return
+
+
+@router.post("/files")
+async def upload(request: Request, node: NodeDep) -> Response:
+    try:
+        target = await _target(request, node)
+        kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        path = request.query_params.get("path", "")
+        if kind == "multipart/form-data":
+            written = await _upload_form(request, target, path)
+        else:
+            if not path:
+                raise ConnectError("invalid_argument", "path is required for an octet-stream upload")
+            written = [await _upload_stream(request, target, path)]
+    except ConnectError as exc:
+        return _files_error(exc)
+    return JSONResponse([{"name": e.name, "type": "file", "path": e.path} for e in written])
+
+
+async def _write(target: Target, path: str, chunks: AsyncIterator[bytes]) -> Any:
+    agent = await run_in_threadpool(target.agent_of)
+    try:
+        handle = await run_in_threadpool(agent.open_write, path, user=target.user)
+        try:
+            pending = bytearray()
+            async for chunk in chunks:
+                pending += chunk
+                if len(pending) >= UPLOAD_BLOCK:
+                    await run_in_threadpool(agent.write_block, handle, bytes(pending))
+                    pending.clear()
+            if pending:
+                await run_in_threadpool(agent.write_block, handle, bytes(pending))
+        finally:
+            entry = await run_in_threadpool(lambda: agent.close_write(handle))
+        return entry
+    except AgentError as exc:
+        raise envd.connect_error(exc) from None
+
+
+async def _upload_stream(request: Request, target: Target, path: str) -> Any:
+    gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
+
+    async def body() -> AsyncIterator[bytes]:
+        inflate = zlib.decompressobj(wbits=31) if gzipped else None
+        async for chunk in request.stream():
+            if inflate is None:
+                yield chunk
+                continue
+            try:
+                yield inflate.decompress(chunk)
+            except zlib.error:
+                raise ConnectError("invalid_argument", "the gzip body is corrupt") from None
+        if inflate is not None:
+            yield inflate.flush()
+
+    return await _write(target, path, body())
+
+
+async def _upload_form(request: Request, target: Target, path: str) -> list[Any]:
+    form = await request.form()
+    files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+    if not files:
+        raise ConnectError("invalid_argument", "the form has no file")
+    written = []
+    for f in files:
+        dest = path if path and len(files) == 1 else (f.filename or "")
+        if not dest:
+            raise ConnectError("invalid_argument", "a file in the form has no name and no path was given")
+
+        async def body(upload: UploadFile = f) -> AsyncIterator[bytes]:
+            while chunk := await upload.read(UPLOAD_BLOCK):
+                yield chunk
+
+        written.append(await _write(target, dest, body()))
+    return written

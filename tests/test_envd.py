@@ -1,0 +1,179 @@
+"""E2B's data plane (api/envd.py, api/routes/envd.py) through the unchanged
+`e2b` SDK against a real `strata serve` and real TCG guests: an agent's loop
+of commands and files, background processes, pause/resume and forks; and
+the bad requests a data plane gets (no token, another sandbox's token,
+malformed Connect bodies, path tricks)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import needs_qemu
+from tests.node_server import API_KEY, NodeServer
+
+pytestmark = needs_qemu
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, guest: Path) -> Iterator[NodeServer]:
+    srv = NodeServer(tmp_path_factory.mktemp("envd"), guest)
+    srv.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
+    srv.start()
+    assert srv.client.post("/templates", json={"name": "base", "image": "guest:v1"}).status_code == 201
+    yield srv
+    srv.cleanup()
+    assert subprocess.run(["pgrep", "-f", str(srv.tmp / "state")], capture_output=True).stdout == b""
+
+
+@pytest.fixture
+def sdk(server: NodeServer, monkeypatch: pytest.MonkeyPatch) -> type:
+    from e2b import Sandbox
+
+    monkeypatch.setenv("E2B_API_URL", server.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", server.url)
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    monkeypatch.delenv("E2B_DEBUG", raising=False)
+    return Sandbox
+
+
+AGENT_SCRIPT = """\
+import os, sys
+print("hello from", os.environ.get("ROLE"), os.environ.get("PER_CALL"))
+print("to stderr", file=sys.stderr)
+"""
+
+
+def test_an_agent_loop_through_the_sdk(sdk: type) -> None:
+    sbx = sdk.create(template="base", timeout=300, envs={"ROLE": "agent"})
+    try:
+        # files: write a script, list, read, stat, make_dir, rename, remove
+        info = sbx.files.write("/root/work/job.sh", "echo hello from $ROLE $PER_CALL\necho to stderr >&2\nexit 3\n")
+        assert info.path == "/root/work/job.sh"
+        assert [e.name for e in sbx.files.list("/root/work")] == ["job.sh"]
+        assert sbx.files.read("/root/work/job.sh").startswith("echo hello")
+        assert sbx.files.exists("/root/work/job.sh") and not sbx.files.exists("/root/work/nope")
+        assert sbx.files.make_dir("/root/work/out") is True
+        assert sbx.files.make_dir("/root/work/out") is False
+        sbx.files.rename("/root/work/job.sh", "/root/work/run.sh")
+        assert sbx.files.get_info("/root/work/run.sh").size > 0
+
+        # a command: env from create and per call, stdout and stderr apart, the exit code
+        from e2b import CommandExitException
+
+        out, err = [], []
+        with pytest.raises(CommandExitException) as failed:
+            sbx.commands.run("sh /root/work/run.sh", envs={"PER_CALL": "x"}, on_stdout=out.append,
+                             on_stderr=err.append)
+        assert failed.value.exit_code == 3
+        assert "".join(out) == "hello from agent x\n" and "".join(err) == "to stderr\n"
+        ok = sbx.commands.run("pwd; echo $HOME", cwd="/tmp")
+        assert ok.exit_code == 0 and ok.stdout == "/tmp\n/root\n"
+
+        # a background process: stream its output, list it, send stdin, kill it
+        bg = sbx.commands.run("while read line; do echo got $line; done", background=True, stdin=True)
+        assert bg.pid in [p.pid for p in sbx.commands.list()]
+        sbx.commands.send_stdin(bg.pid, "ping\n")
+        seen = ""
+        for stdout, _, _ in bg:  # streamed as it comes
+            seen += stdout or ""
+            if "got ping" in seen:
+                break
+        assert seen == "got ping\n"
+        assert sbx.commands.kill(bg.pid) is True
+        assert sbx.commands.kill(bg.pid) is False
+        assert bg.pid not in [p.pid for p in sbx.commands.list()]
+
+        # bytes: a binary file both ways, and a missing one
+        blob = bytes(range(256)) * 4096
+        sbx.files.write("/root/blob.bin", blob)
+        assert bytes(sbx.files.read("/root/blob.bin", format="bytes")) == blob
+        from e2b import NotFoundException
+
+        with pytest.raises(NotFoundException):
+            sbx.files.read("/root/nothing-here")
+        sbx.files.remove("/root/work")
+        assert not sbx.files.exists("/root/work")
+    finally:
+        sbx.kill()
+
+
+def test_files_and_env_survive_pauses_and_forks(sdk: type, server: NodeServer) -> None:
+    """E2B's issue #884 lost files after the second resume: here, five."""
+    sbx = sdk.create(template="base", timeout=600, envs={"KEPT": "yes"})
+    try:
+        for i in range(5):
+            sbx.files.write(f"/root/f{i}", f"round {i}")
+            sbx.commands.run("sync")
+            assert sbx.pause() is True
+            sbx = sdk.connect(sbx.sandbox_id, timeout=600)
+            assert [sbx.files.read(f"/root/f{j}") for j in range(i + 1)] == [f"round {j}" for j in range(i + 1)]
+        assert sbx.commands.run("echo $KEPT").stdout == "yes\n"
+        sbx.commands.run("sync")
+        forks = sbx.fork(count=4)
+        assert all(not isinstance(f, Exception) for f in forks), forks
+        assert len({f._envd_access_token for f in forks} | {sbx._envd_access_token}) == 5
+        for n, f in enumerate(forks):
+            f.files.write("/root/mine", f"fork {n}")
+        for n, f in enumerate(forks):
+            assert f.files.read("/root/mine") == f"fork {n}"
+            assert f.files.read("/root/f4") == "round 4"
+            assert f.commands.run("echo $KEPT").stdout == "yes\n"
+        assert not sbx.files.exists("/root/mine")
+        for f in forks:
+            f.kill()
+    finally:
+        sbx.kill()
+
+
+def _envelope(message: dict) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">BI", 0, len(data)) + data
+
+
+def test_the_data_plane_refuses_what_it_should(sdk: type, server: NodeServer) -> None:
+    a = sdk.create(template="base", timeout=300)
+    b = sdk.create(template="base", timeout=300)
+    try:
+        url = f"{server.url}/filesystem.Filesystem/Stat"
+        good = {"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": a._envd_access_token}
+        stat = {"path": "/root"}
+        assert httpx.post(url, json=stat, headers=good).json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+        for headers in ({"E2b-Sandbox-Id": a.sandbox_id},  # no token
+                        {"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": b._envd_access_token},  # b's token
+                        {"E2b-Sandbox-Id": "sbdeadbeef0000", "X-Access-Token": a._envd_access_token},
+                        {"E2b-Sandbox-Id": a.sandbox_id, "X-API-Key": "not-a-key-1234"}):
+            r = httpx.post(url, json=stat, headers=headers)
+            assert r.status_code == 401 and r.json()["code"] == "unauthenticated", (headers, r.text)
+        keyed = {"E2b-Sandbox-Id": a.sandbox_id, "X-API-Key": API_KEY}  # a key of the sandbox's team works too
+        assert httpx.post(url, json=stat, headers=keyed).status_code == 200
+        assert httpx.post(url, content=b"{not json", headers={**good, "Content-Type": "application/json"}
+                          ).json()["code"] == "invalid_argument"
+        assert httpx.post(f"{server.url}/filesystem.Filesystem/Nope", json={}, headers=good).status_code == 501
+        assert httpx.post(url, json={"path": "../../../../etc/../root/../nope"}, headers=good).status_code == 404
+        # a stream with a broken envelope, and one with an unknown pid, end with an error, not a hang
+        stream_headers = {**good, "Content-Type": "application/connect+json"}
+        r = httpx.post(f"{server.url}/process.Process/Start", content=b"\x00\x00\x00\x10{}", headers=stream_headers)
+        assert r.status_code == 200 and b'"invalid_argument"' in r.content
+        r = httpx.post(f"{server.url}/process.Process/Connect", content=_envelope({"process": {"pid": 99999}}),
+                       headers=stream_headers)
+        assert b'"not_found"' in r.content
+        # /files: no path, a directory, a path that is not there
+        files = f"{server.url}/files"
+        assert httpx.get(files, headers=good).status_code == 400
+        assert httpx.get(files, params={"path": "/root"}, headers=good).status_code == 400
+        assert httpx.get(files, params={"path": "/nope/x"}, headers=good).status_code == 404
+        assert httpx.get(files, params={"path": "/etc/hostname"}, headers={"E2b-Sandbox-Id": a.sandbox_id}
+                         ).status_code == 401
+        # b is untouched by all of this, and still answers
+        assert b.commands.run("echo fine").stdout == "fine\n"
+    finally:
+        a.kill()
+        b.kill()
