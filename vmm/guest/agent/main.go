@@ -40,6 +40,7 @@ type Agent struct {
 	out     chan []byte // encoded reply lines, written to the port in order
 	procs   *Procs
 	files   *Files
+	cpu     cpuMeter
 	mu      sync.Mutex
 	session string
 	streams map[uint64]chan struct{} // open streams by request id: closed to cancel
@@ -269,6 +270,8 @@ func (a *Agent) concurrent(req *Request) {
 		}
 	case "list":
 		a.send(&Reply{ID: req.ID, End: true, Procs: a.procs.list()})
+	case "metrics":
+		a.send(&Reply{ID: req.ID, End: true, Metrics: a.cpu.metrics()})
 	case "stat", "ls", "mkdir", "move", "remove":
 		var r *Reply
 		if r, err = a.files.do(req); err == nil {

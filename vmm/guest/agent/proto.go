@@ -56,6 +56,7 @@ type Reply struct {
 	Handle  uint64     `json:"handle,omitempty"`
 	Event   *FsEvent   `json:"event,omitempty"`
 	Size    int64      `json:"size,omitempty"`
+	Metrics *Metrics   `json:"metrics,omitempty"`
 }
 
 // Exit is how a process ended.
