@@ -148,6 +148,7 @@ class Target:
     agent_of: Callable[[], Agent]  # the current VM's agent; raises ConnectError if paused or gone
     env: dict[str, str] = field(default_factory=dict)
     user: str = ""
+    log: Callable[[str, str], None] = lambda level, message: None  # the sandbox's event log
 
     def call(self, fn: Callable[[Agent], Any]) -> Any:
         try:
@@ -177,8 +178,10 @@ class Target:
 
 def start_process(target: Target, req: StartRequest) -> tuple[int, Stream]:
     env = {**target.env, **req.envs}
-    return target.call(lambda a: a.start(req.cmd, req.args, env=env, cwd=req.cwd, user=target.user, tag=req.tag,
-                                         stdin=req.stdin, pty=req.pty))
+    pid, stream = target.call(lambda a: a.start(req.cmd, req.args, env=env, cwd=req.cwd, user=target.user,
+                                                tag=req.tag, stdin=req.stdin, pty=req.pty))
+    target.log("info", f"process {pid} started: {' '.join([req.cmd, *req.args])[:500]}")
+    return pid, stream
 
 
 def follow(target: Target, pid: int, stream: Stream, *, keepalive: float,
@@ -195,6 +198,7 @@ def follow(target: Target, pid: int, stream: Stream, *, keepalive: float,
                         offset = ev.offset + len(ev.data)
                     yield process_event(ev)
                     if isinstance(ev, Exit):
+                        target.log("info" if ev.code == 0 else "warn", f"process {pid} ended: {ev.status}")
                         return
             except AgentTimeout:
                 if deadline is not None and time.monotonic() >= deadline:

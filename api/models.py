@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
+from vmm.agent import GuestMetrics
+from vmm.events import Event
 from vmm.registry import SandboxRecord
 
 from .envd import ENVD_VERSION  # the envd features the node serves
@@ -108,6 +110,56 @@ class SandboxDetail(ListedSandbox):
     def of(cls, record: SandboxRecord, *, disk_mb: int) -> SandboxDetail:
         listed = ListedSandbox.of(record, disk_mb=disk_mb).model_dump()
         return cls(**listed, lifecycle=Lifecycle(onTimeout="pause" if record.auto_pause else "kill"))
+
+
+class SandboxMetric(Reply):
+    """One sample, taken when asked (the node keeps no series): the guest's
+    CPU use since the previous sample, its memory and root disk now."""
+    timestamp: datetime
+    timestampUnix: int
+    cpuCount: int
+    cpuUsedPct: float
+    memUsed: int
+    memTotal: int
+    memCache: int
+    diskUsed: int
+    diskTotal: int
+
+    @classmethod
+    def of(cls, at: float, g: GuestMetrics) -> SandboxMetric:
+        return cls(timestamp=timestamp(at), timestampUnix=int(at), cpuCount=g.cpu_count,
+                   cpuUsedPct=round(g.cpu_used_pct, 2), memUsed=g.mem_used, memTotal=g.mem_total,
+                   memCache=g.mem_cache, diskUsed=g.disk_used, diskTotal=g.disk_total)
+
+
+class SandboxesWithMetrics(Reply):
+    sandboxes: dict[str, SandboxMetric]
+
+
+class SandboxLog(Reply):
+    timestamp: datetime
+    line: str
+
+
+class SandboxLogEntry(Reply):
+    timestamp: datetime
+    level: Literal["debug", "info", "warn", "error"]
+    message: str
+    fields: dict[str, str]
+
+    @classmethod
+    def of(cls, e: Event) -> SandboxLogEntry:
+        return cls(timestamp=timestamp(e.t), level=e.level, message=e.message, fields=e.fields)  # type: ignore[arg-type]
+
+
+class SandboxLogs(Reply):
+    """The sandbox's event log (vmm/events.py): lifecycle, and the processes clients ran."""
+    logs: list[SandboxLog]
+    logEntries: list[SandboxLogEntry]
+
+
+class SandboxLogsV2(Reply):
+    logs: list[SandboxLogEntry]
 
 
 class SandboxTimeoutRequest(Lenient):

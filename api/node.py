@@ -37,7 +37,8 @@ from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.refs import parse_ref
 from layerstore.store import Store
 from layerstore.templates import check_template_name
-from vmm.agent import Agent
+from vmm.agent import Agent, GuestMetrics
+from vmm.events import LEVELS, Event
 from vmm.registry import SandboxRecord, new_sid
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
@@ -293,7 +294,8 @@ class Node:
             except (NotFound, Conflict):
                 raise ConnectError("unavailable", f"sandbox {sid} is not running") from None
 
-        return Target(sid, agent_of, env=dict(record.env), user=user)
+        return Target(sid, agent_of, env=dict(record.env), user=user,
+                      log=lambda level, message: self.boxes.log_event(sid, level, message))
 
     def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
         return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata and caller.sees(r.team)]
@@ -432,6 +434,28 @@ class Node:
             raise InvalidInput(f"timeout {timeout} s is outside 1..3600 s")
         with self.vmm("exec"):
             return self.boxes.exec(sid, command, timeout=timeout, max_output=self.config.exec_output_limit)
+
+    def logs(self, caller: Caller, sid: str, *, since: float, limit: int, level: str = "debug",
+             search: str = "", backward: bool = False) -> list[Event]:
+        """The sandbox's event log from `since` (epoch seconds) on, at least
+        `level`, containing `search`; at most `limit`, oldest first (or from
+        `since` back, newest first, when `backward`)."""
+        self.record(sid, caller)
+        if not 0 < limit <= 10_000:
+            raise InvalidInput(f"limit {limit} is outside 1..10000")
+        floor = LEVELS.index(level)
+        rows = [e for e in self.boxes.event_log(sid, limit=0x7FFFFFFF)
+                if LEVELS.index(e.level) >= floor and search in e.message]
+        if backward:  # from `since` (if given) back in time
+            return [e for e in reversed(rows) if not since or e.t <= since][:limit]
+        return [e for e in rows if e.t >= since][:limit]
+
+    def metrics_of(self, caller: Caller, sid: str) -> tuple[float, GuestMetrics]:
+        """One sample of a running sandbox's guest (paused: Conflict)."""
+        record = self.record(sid, caller)
+        if record.state == "suspended":
+            raise Conflict(f"sandbox {sid} is paused: it has no metrics until resumed")
+        return time.time(), self.boxes.agent(sid).metrics()
 
     def gc_roots(self) -> list:
         """What GC of this node's store must keep beyond refs, templates and

@@ -17,7 +17,7 @@ MODE=${1:-install}
 APT_PACKAGES=(fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static e2fsprogs cpio xz-utils iproute2 util-linux
               python3 python3-venv python3-dev gcc golang-go)
 BENCH_PACKAGES=(restic borgbackup casync rclone)
-TEST_PACKAGES=(shellcheck systemd)   # lint deploy/install.sh, check the unit it renders
+TEST_PACKAGES=(shellcheck systemd nodejs)   # lint deploy/install.sh, check the unit it renders; E2B's JS SDK test
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -65,6 +65,7 @@ case "$MODE" in
     test)
         install
         apt_install "${TEST_PACKAGES[@]}"
+        command -v npm >/dev/null || apt_install npm   # some nodejs builds carry their own npm
         log "running the test suite"
         set +e
         .venv/bin/python -m pytest -q "${@:2}"

@@ -54,12 +54,6 @@ SAMPLE_TIME = "2025-01-01T00:00:00Z"
 
 # The SDK's sandbox operations that Strata does not serve (yet).
 NOT_YET: dict[tuple[str, str], str] = {
-    ("GET", "/sandboxes/metrics"): "CPU, memory and disk series of many sandboxes: the node keeps no per-sandbox "
-                                   "metrics (its /metrics is the node's, for Prometheus)",
-    ("GET", "/sandboxes/{sandboxID}/metrics"): "one sandbox's metric series: as above",
-    ("GET", "/sandboxes/{sandboxID}/logs"): "E2B's logs come from envd in the guest; Strata's guests run Strata's "
-                                            "agent and the node serves no log store",
-    ("GET", "/v2/sandboxes/{sandboxID}/logs"): "as above, paged by cursor",
     ("PUT", "/sandboxes/{sandboxID}/network"): "egress rules of a running sandbox: Strata's VMs have no "
                                                "per-sandbox network policy to change",
 }

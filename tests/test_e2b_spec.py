@@ -35,8 +35,8 @@ JSON = "application/json"
 # Operations E2B's spec does not have: Strata's own.
 STRATA_ONLY: dict[tuple[str, str], str] = {
     ("GET", "/metrics"): "Prometheus metrics of this node; E2B's metrics are per team and sandbox, not per node",
-    ("POST", "/sandboxes/{sandboxID}/exec"): "E2B runs commands through envd in the guest; Strata's guests run "
-                                             "Strata's agent, reached through the node",
+    ("POST", "/sandboxes/{sandboxID}/exec"): "E2B runs commands only through envd (which Strata serves too); this "
+                                             "is Strata's one-request command call",
     ("GET", "/snapshots/{snapshotID}"): "inspect a snapshot's layers and stored size; E2B has no such view",
     ("DELETE", "/snapshots/{snapshotID}"): "E2B deletes a snapshot as a template (DELETE /templates/{templateID}); "
                                            "Strata's snapshots exist without a name",

@@ -7,6 +7,8 @@ malformed Connect bodies, path tricks)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
 import subprocess
 import time
@@ -16,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import needs_qemu
+from tests.conftest import IN_CI, ROOT, needs_qemu
 from tests.node_server import API_KEY, NodeServer
 
 pytestmark = needs_qemu
@@ -177,3 +179,70 @@ def test_the_data_plane_refuses_what_it_should(sdk: type, server: NodeServer) ->
     finally:
         a.kill()
         b.kill()
+
+
+def test_a_process_survives_pause_and_resume_and_the_sandbox_reports_logs_and_metrics(
+        sdk: type, server: NodeServer) -> None:
+    sbx = sdk.create(template="base", timeout=600)
+    try:
+        counter = sbx.commands.run("i=0; while true; do echo $i; i=$((i+1)); sleep 0.2; done", background=True)
+        seen = ""
+        for out, _, _ in counter:
+            seen += out or ""
+            if seen.count("\n") >= 3:
+                break
+        counter.disconnect()
+        before = [int(x) for x in seen.split()]
+        assert sbx.pause() is True
+        sbx = sdk.connect(sbx.sandbox_id, timeout=600)
+        assert counter.pid in [p.pid for p in sbx.commands.list()]
+        later = ""
+        for out, _, _ in sbx.commands.connect(counter.pid):
+            later += out or ""
+            if later.count("\n") >= 4:
+                break
+        after = [int(x) for x in later.split()]
+        assert after[0] > before[-1] and after == list(range(after[0], after[0] + len(after)))
+        assert sbx.commands.kill(counter.pid) is True
+
+        sample = sbx.get_metrics()
+        assert len(sample) == 1 and sample[0].cpu_count >= 1
+        assert 0 < sample[0].mem_used < sample[0].mem_total and 0 < sample[0].disk_used < sample[0].disk_total
+
+        logs = server.client.get(f"/v2/sandboxes/{sbx.sandbox_id}/logs").json()["logs"]
+        messages = [entry["message"] for entry in logs]
+        for wanted in ("booted from", "paused to the store", "resumed from", f"process {counter.pid} started"):
+            assert any(wanted in msg for msg in messages), (wanted, messages)
+        newest = server.client.get(f"/v2/sandboxes/{sbx.sandbox_id}/logs",
+                                   params={"direction": "backward", "limit": 1}).json()["logs"]
+        assert newest == logs[-1:]
+        assert server.client.get(f"/sandboxes/{sbx.sandbox_id}/logs").json()["logEntries"] == logs
+        assert server.client.get("/sandboxes/sbnotthere00/logs").status_code == 404
+    finally:
+        sbx.kill()
+
+
+JS_SDK = Path(os.environ.get("STRATA_JS_SDK_DIR", "/var/tmp/strata-js-sdk"))  # npm's e2b, installed once
+
+
+def test_the_js_sdk_from_npm(server: NodeServer) -> None:
+    """The same agent loop with E2B's JavaScript SDK (`e2b` from npm, run by node)."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        if IN_CI:
+            pytest.fail("node and npm are needed (deploy/setup.sh installs them)")
+        pytest.skip("node/npm not installed (apt-get install nodejs npm)")
+    if not (JS_SDK / "node_modules" / "e2b").exists():
+        subprocess.run(["npm", "install", "--prefix", str(JS_SDK), "--no-audit", "--no-fund", "e2b@2"],
+                       check=True, capture_output=True, timeout=600)
+    script = JS_SDK / "agent_loop.mjs"  # beside node_modules, so `import 'e2b'` finds it
+    shutil.copy(ROOT / "tests/js/agent_loop.mjs", script)
+    env = {**os.environ, "E2B_API_URL": server.url, "E2B_SANDBOX_URL": server.url, "E2B_API_KEY": API_KEY}
+    env.pop("E2B_DEBUG", None)
+    r = subprocess.run(["node", str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["listed"] == ["job.sh"]
+    assert (seen["exitCode"], seen["stdout"], seen["stderr"]) == (4, "hello from js-agent\n", "oops\n")
+    assert "tick1\ntick2\ntick3\n" in seen["streamed"]
+    assert seen["killed"] is True and seen["exists"] is False
+    assert seen["read"].startswith("echo hello from $ROLE")

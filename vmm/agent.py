@@ -130,6 +130,19 @@ class Output:
     lost: int = 0
 
 
+@dataclass(frozen=True)
+class GuestMetrics:
+    """One sample of the guest's resources: CPU since the previous sample,
+    memory and root disk now (bytes)."""
+    cpu_count: int
+    cpu_used_pct: float
+    mem_total: int
+    mem_used: int
+    mem_cache: int
+    disk_total: int
+    disk_used: int
+
+
 def truncation_marker(dropped: int, cap: int) -> str:
     return f"\n[strata: output truncated: {dropped} more bytes past the {cap}-byte limit]\n"
 
@@ -399,6 +412,14 @@ class Agent:
             except (KeyError, TypeError, ValueError):
                 raise AgentError(f"guest agent sent a malformed process: {str(p)[:80]!r}") from None
         return out
+
+    def metrics(self, *, timeout: float = 30.0) -> GuestMetrics:
+        m = self.call("metrics", timeout=timeout).get("metrics")
+        try:
+            return GuestMetrics(int(m["cpu_count"]), float(m["cpu_used_pct"]), int(m["mem_total"]),
+                                int(m["mem_used"]), int(m["mem_cache"]), int(m["disk_total"]), int(m["disk_used"]))
+        except (KeyError, TypeError, ValueError):
+            raise AgentError(f"guest agent sent malformed metrics: {str(m)[:80]!r}") from None
 
     def send_input(self, pid: int, data: bytes, *, timeout: float = 30.0) -> None:
         self.call("input", timeout=timeout, pid=pid, data=base64.b64encode(data).decode())

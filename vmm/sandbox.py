@@ -48,6 +48,7 @@ from layerstore.refs import parse_ref
 from layerstore.snapshot import Snapshot
 from layerstore.store import Store
 
+from . import events
 from .agent import DEFAULT_MAX_OUTPUT, Agent, RunResult
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
 from .registry import MAX_FORKS, LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
@@ -206,6 +207,14 @@ class Sandboxes:
         when the VM stops."""
         return self.get(sid).vm.agent
 
+    def log_event(self, sid: str, level: str, message: str, **fields: object) -> None:
+        """Add to the sandbox's event log (vmm/events.py)."""
+        events.append(self.registry.workdir(sid), level, message, **fields)
+
+    def event_log(self, sid: str, *, since: float = 0.0, limit: int = 1000) -> list[events.Event]:
+        self.registry.load(sid)  # NotFound for an unknown sandbox
+        return events.read(self.registry.workdir(sid), since=since, limit=limit)
+
     def exec(self, sid: str, command: str, *, timeout: float, max_output: int = DEFAULT_MAX_OUTPUT,
              env: dict[str, str] | None = None) -> RunResult:
         """Run `sh -c command` in the guest of `sid`; output past
@@ -260,10 +269,12 @@ class Sandboxes:
             if not keep_record:
                 self.registry.remove(record.sid)
             raise
-        record.timings["restore" if spec.incoming else "boot"] = time.monotonic() - started
+        took = record.timings["restore" if spec.incoming else "boot"] = time.monotonic() - started
         record.pid = vm.pid
         self.registry.save(record)
         self._vms[record.sid] = vm
+        what = "resumed" if keep_record else "restored" if spec.incoming else "booted"
+        events.append(work, "info", f"{what} from {record.source}", seconds=f"{took:.3f}")
         return Sandbox(record, vm, work)
 
     def boot(self, image: str, *, sid: str | None = None, memory_mib: int | None = None,
@@ -315,6 +326,7 @@ class Sandboxes:
             record.recovered = _note(reason)
             self.registry.save(record)
             self._vms[sid] = vm
+            events.append(self.registry.workdir(sid), "warn", f"cold-booted on its disk: {reason}")
             return Sandbox(record, vm, self.registry.workdir(sid))
 
     def back_to_snapshot(self, sid: str, reason: str) -> None:
@@ -328,6 +340,7 @@ class Sandboxes:
             record.state, record.pid, record.operation, record.suspended_at = "suspended", None, "", time.time()
             record.recovered = _note(reason)
             self.registry.save(record)
+            events.append(self.registry.workdir(sid), "warn", f"stopped at its last snapshot: {reason}")
 
     def _boot_files(self, record: SandboxRecord) -> tuple[Path, Path]:
         """Kernel and initrd to cold-boot `record`: its snapshot's, if it came from one."""
@@ -384,6 +397,10 @@ class Sandboxes:
             resume = record.state == "running"
         record.operation = "snapshot"
         self.registry.save(record)
+        # Hang up on the agent first: the guest then stops writing to its
+        # port (a snapshot taken with guest output in flight restored with a
+        # port that took no more input), and streams re-attach after.
+        sandbox.vm.agent.close()
         sandbox.vm.pause()
         try:
             snapshot_id, timings = self._capture(sandbox, implicit)
@@ -397,6 +414,7 @@ class Sandboxes:
         record.operation = ""
         record.timings.update(timings)
         self.registry.save(record)
+        events.append(sandbox.workdir, "info", f"snapshot {snapshot_id}", why=implicit or "asked")
         self._drop_if_unused(previous)
         return snapshot_id
 
@@ -515,6 +533,7 @@ class Sandboxes:
             record = self.registry.load(sid)
             record.state, record.pid, record.suspended_at = "suspended", None, time.time()
             self.registry.save(record)
+            events.append(self.registry.workdir(sid), "info", f"paused to the store at snapshot {snapshot_id}")
             return snapshot_id
 
     def wake(self, sid: str, **lifetime: object) -> Sandbox:

@@ -46,6 +46,54 @@ def list_v2(response: Response, node: NodeDep, caller: CallerDep,
     return rows
 
 
+@router.get("/sandboxes/metrics", response_model=m.SandboxesWithMetrics,
+            summary="One fresh sample of each running sandbox's guest (CPU, memory, disk)")
+def many_metrics(node: NodeDep, caller: CallerDep,
+                 sandbox_ids: str = Query(..., description="comma-separated sandbox ids (at most 100)")
+                 ) -> m.SandboxesWithMetrics:
+    sids = [s for s in sandbox_ids.split(",") if s][:100]
+    out = {}
+    for sid in sids:
+        at, sample = node.metrics_of(caller, sid)
+        out[sid] = m.SandboxMetric.of(at, sample)
+    return m.SandboxesWithMetrics(sandboxes=out)
+
+
+@router.get("/sandboxes/{sandboxID}/metrics", response_model=list[m.SandboxMetric],
+            summary="A fresh sample of the guest's CPU, memory and disk (the node keeps no series)")
+def sandbox_metrics(sandboxID: str, node: NodeDep, caller: CallerDep,
+                    start: int | None = Query(None, description="unix seconds; a sample before it is not returned"),
+                    end: int | None = Query(None, description="unix seconds; a sample after it is not returned")
+                    ) -> list[m.SandboxMetric]:
+    at, sample = node.metrics_of(caller, sandboxID)
+    if (start is not None and at < start) or (end is not None and at > end + 1):
+        return []
+    return [m.SandboxMetric.of(at, sample)]
+
+
+@router.get("/sandboxes/{sandboxID}/logs", response_model=m.SandboxLogs,
+            summary="The sandbox's event log: lifecycle and the processes clients ran")
+def sandbox_logs(sandboxID: str, node: NodeDep, caller: CallerDep,
+                 start: int | None = Query(None, description="milliseconds since the epoch"),
+                 limit: int = Query(1000, ge=1, le=10000)) -> m.SandboxLogs:
+    rows = node.logs(caller, sandboxID, since=(start or 0) / 1e3, limit=limit)
+    return m.SandboxLogs(logs=[m.SandboxLog(timestamp=m.timestamp(e.t), line=e.message) for e in rows],
+                         logEntries=[m.SandboxLogEntry.of(e) for e in rows])
+
+
+@router.get("/v2/sandboxes/{sandboxID}/logs", response_model=m.SandboxLogsV2,
+            summary="The sandbox's event log, from a cursor, filtered")
+def sandbox_logs_v2(sandboxID: str, node: NodeDep, caller: CallerDep,
+                    cursor: int | None = Query(None, description="milliseconds since the epoch"),
+                    limit: int = Query(1000, ge=1, le=10000),
+                    direction: str = Query("forward", pattern="^(forward|backward)$"),
+                    level: str = Query("debug", pattern="^(debug|info|warn|error)$"),
+                    search: str = Query("", max_length=256)) -> m.SandboxLogsV2:
+    rows = node.logs(caller, sandboxID, since=(cursor or 0) / 1e3, limit=limit, level=level, search=search,
+                     backward=direction == "backward")
+    return m.SandboxLogsV2(logs=[m.SandboxLogEntry.of(e) for e in rows])
+
+
 @router.get("/sandboxes/{sandboxID}", response_model=m.SandboxDetail)
 def get_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep) -> m.SandboxDetail:
     return node.sandbox_detail(caller, sandboxID)

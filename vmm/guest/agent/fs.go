@@ -228,7 +228,7 @@ func (fs *Files) read(a *Agent, req *Request) error {
 		buf := make([]byte, fileBlock)
 		n, err := io.ReadFull(f, buf)
 		if n > 0 {
-			a.send(&Reply{ID: req.ID, Data: buf[:n], Off: size})
+			a.sendStream(&Reply{ID: req.ID, Data: buf[:n], Off: size})
 			size += int64(n)
 		}
 		if err == io.EOF || err == io.ErrUnexpectedEOF {
@@ -238,7 +238,7 @@ func (fs *Files) read(a *Agent, req *Request) error {
 			return err
 		}
 	}
-	a.send(&Reply{ID: req.ID, End: true, Size: size})
+	a.sendStream(&Reply{ID: req.ID, End: true, Size: size})
 	return nil
 }
 

@@ -37,7 +37,8 @@ const (
 // Agent holds everything one agent process serves.
 type Agent struct {
 	boot    string
-	out     chan []byte // encoded reply lines, written to the port in order
+	ctl     chan []byte // replies to one-shot requests: written first, never behind stream data
+	out     chan []byte // stream replies (output, file blocks, events), in order per stream
 	procs   *Procs
 	files   *Files
 	cpu     cpuMeter
@@ -82,7 +83,7 @@ func main() {
 	log("listening on %s", port)
 	b := make([]byte, 8)
 	_, _ = rand.Read(b)
-	a := &Agent{boot: hex.EncodeToString(b), out: make(chan []byte, outboxLength),
+	a := &Agent{boot: hex.EncodeToString(b), out: make(chan []byte, outboxLength), ctl: make(chan []byte, 256),
 		streams: map[uint64]chan struct{}{}}
 	a.procs = newProcs()
 	a.files = newFiles()
@@ -116,21 +117,39 @@ func waitPort(log func(string, ...any)) string {
 	}
 }
 
+// writer sends control replies before stream data, so a hello is answered
+// at once even while a stream's output fills the port.
 func (a *Agent) writer(w io.Writer) {
-	for line := range a.out {
+	for {
+		var line []byte
+		select {
+		case line = <-a.ctl:
+		default:
+			select {
+			case line = <-a.ctl:
+			case line = <-a.out:
+			}
+		}
 		if _, err := w.Write(line); err != nil {
 			time.Sleep(50 * time.Millisecond) // host gone: the line is lost, as the protocol allows
 		}
 	}
 }
 
-func (a *Agent) send(r *Reply) {
+func encode(r *Reply) []byte {
 	line, err := json.Marshal(r)
 	if err != nil {
 		line, _ = json.Marshal(&Reply{ID: r.ID, End: true, Code: "internal", Error: err.Error()})
 	}
-	a.out <- append(line, '\n')
+	return append(line, '\n')
 }
+
+// send queues the reply to a one-shot request.
+func (a *Agent) send(r *Reply) { a.ctl <- encode(r) }
+
+// sendStream queues a stream's reply; it waits while the port is slower
+// than the stream (back-pressure), never the reader.
+func (a *Agent) sendStream(r *Reply) { a.out <- encode(r) }
 
 func (a *Agent) sendError(id uint64, err error) {
 	code := "internal"
@@ -313,6 +332,8 @@ func (a *Agent) stopStream(id uint64) {
 	a.procs.wake()
 }
 
+// cancelStreams ends every stream (the host that asked for them is gone)
+// and drops their queued replies: a host re-attaches from its own offsets.
 func (a *Agent) cancelStreams() {
 	a.mu.Lock()
 	for id, stop := range a.streams {
@@ -321,6 +342,13 @@ func (a *Agent) cancelStreams() {
 	}
 	a.mu.Unlock()
 	a.procs.wake()
+	for {
+		select {
+		case <-a.out:
+		default:
+			return
+		}
+	}
 }
 
 // makeRaw puts a serial tty in raw mode, so lines pass unchanged.

@@ -260,7 +260,7 @@ func (p *Proc) follow(a *Agent, id uint64, from int64, stop chan struct{}) {
 	if from < 0 {
 		from = p.total
 	}
-	a.send(&Reply{ID: id, Pid: p.info.Pid, Off: from})
+	a.sendStream(&Reply{ID: id, Pid: p.info.Pid, Off: from})
 	for {
 		for p.exit == nil && from >= p.total && !stopped(stop) {
 			p.cond.Wait()
@@ -287,10 +287,10 @@ func (p *Proc) follow(a *Agent, id uint64, from int64, stop chan struct{}) {
 		exit := p.exit
 		p.mu.Unlock()
 		for i := range batch {
-			a.send(&batch[i])
+			a.sendStream(&batch[i])
 		}
 		if exit != nil && len(batch) == 0 {
-			a.send(&Reply{ID: id, End: true, Pid: p.info.Pid, Exit: exit, Off: from})
+			a.sendStream(&Reply{ID: id, End: true, Pid: p.info.Pid, Exit: exit, Off: from})
 			return
 		}
 		p.mu.Lock()

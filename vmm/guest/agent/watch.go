@@ -65,7 +65,7 @@ func (w *watcher) add(dir string) error {
 // run polls (the fd is non-blocking so a cancelled stream ends promptly).
 func (w *watcher) run(a *Agent, id uint64, stop chan struct{}) {
 	defer syscall.Close(w.fd)
-	a.send(&Reply{ID: id}) // started
+	a.sendStream(&Reply{ID: id}) // started
 	buf := make([]byte, 64<<10)
 	for !stopped(stop) {
 		n, err := syscall.Read(w.fd, buf)
@@ -87,7 +87,7 @@ func (w *watcher) run(a *Agent, id uint64, stop chan struct{}) {
 			}
 			if kind := eventKind(ev.Mask); kind != "" {
 				rel, _ := filepath.Rel(w.root, full)
-				a.send(&Reply{ID: id, Event: &FsEvent{Name: rel, Type: kind}})
+				a.sendStream(&Reply{ID: id, Event: &FsEvent{Name: rel, Type: kind}})
 			}
 		}
 	}
