@@ -246,3 +246,22 @@ def test_the_js_sdk_from_npm(server: NodeServer) -> None:
     assert "tick1\ntick2\ntick3\n" in seen["streamed"]
     assert seen["killed"] is True and seen["exists"] is False
     assert seen["read"].startswith("echo hello from $ROLE")
+
+
+def test_a_stream_goes_on_across_a_snapshot_without_loss_or_repeats(sdk: type, server: NodeServer) -> None:
+    """A snapshot hangs up on the guest agent (vmm/sandbox.py); the node's
+    stream re-attaches from the last byte it sent (api/envd.py)."""
+    sbx = sdk.create(template="base", timeout=300)
+    try:
+        counter = sbx.commands.run("i=0; while [ $i -lt 40 ]; do echo $i; i=$((i+1)); sleep 0.1; done",
+                                   background=True)
+        seen, snapped = "", 0
+        for out, _, _ in counter:
+            seen += out or ""
+            if seen.count("\n") >= 5 * (snapped + 1) and snapped < 2:
+                r = server.client.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={})
+                assert r.status_code == 201, r.text
+                snapped += 1
+        assert snapped == 2 and seen == "".join(f"{i}\n" for i in range(40))
+    finally:
+        sbx.kill()

@@ -41,7 +41,7 @@ DEFAULT_MAX_OUTPUT = 1 << 20  # bytes of a command's output kept by `run`; confi
 MAX_LINE = 4 << 20  # a guest line longer than this is dropped (the agent sends <= ~350 KiB)
 MAX_IN_FLIGHT = 512  # requests open at once on one sandbox
 QUEUE_REPLIES = 1024  # replies buffered per request before its stream is dropped
-WRITE_BLOCK = 256 << 10  # bytes of a file per write message
+WRITE_BLOCK = 1 << 20  # bytes of a file per write message (sent raw after its line)
 HELLO_EVERY = 0.25  # seconds between hellos while the guest has not answered
 SEND_TIMEOUT = 30.0  # a guest that takes no input for this long is stuck
 
@@ -210,8 +210,11 @@ class _Conn:
         self.reader = threading.Thread(target=self._read, daemon=True, name="strata-agent-reader")
         self.reader.start()
 
-    def send(self, message: dict[str, Any]) -> None:
-        line = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    def send(self, message: dict[str, Any], raw: bytes = b"") -> None:
+        """One request line, then `raw` bytes if any (the line says how many)."""
+        if raw:
+            message = {**message, "raw": len(raw)}
+        line = json.dumps(message, separators=(",", ":")).encode() + b"\n" + raw
         try:
             with self.send_lock:
                 if self.is_socket:
@@ -338,8 +341,9 @@ class Agent:
                 reply = stream.next(min(HELLO_EVERY, max(left, 0.01)))
             except AgentTimeout:
                 conn.forget(stream.id)
-                if left <= 0:
-                    raise AgentTimeout("guest agent did not answer") from None
+                if left <= 0:  # QEMU takes one client per port: a second waits unanswered
+                    raise AgentTimeout("guest agent did not answer (is another process, such as strata serve, "
+                                       "connected to this sandbox's agent?)") from None
                 continue
             self.boot = str(reply.get("boot", ""))
             return
@@ -349,8 +353,8 @@ class Agent:
         started = time.monotonic()
         try:
             self._connection(started + timeout)
-        except AgentTimeout:
-            raise AgentTimeout(f"guest agent did not answer within {timeout:.0f} s") from None
+        except AgentTimeout as exc:
+            raise AgentTimeout(f"{exc} within {timeout:.0f} s") from None
         return time.monotonic() - started
 
     def open_stream(self, op: str, *, timeout: float = 60.0, **fields: Any) -> Stream:
@@ -374,10 +378,10 @@ class Agent:
             stream.cancel()
             raise
 
-    def send(self, op: str, **fields: Any) -> None:
+    def send(self, op: str, raw: bytes = b"", **fields: Any) -> None:
         """A request whose reply only matters if it fails (file writes)."""
         conn = self._connection(time.monotonic() + 10)
-        conn.send({"op": op, "id": 0, **fields})
+        conn.send({"op": op, "id": 0, **fields}, raw)
 
     # --- processes ------------------------------------------------------------
 
@@ -498,7 +502,7 @@ class Agent:
 
     def write_block(self, handle: int, block: bytes) -> None:
         for i in range(0, len(block), WRITE_BLOCK):
-            self.send("write", handle=handle, data=base64.b64encode(block[i:i + WRITE_BLOCK]).decode())
+            self.send("write", block[i:i + WRITE_BLOCK], handle=handle)  # raw: no base64 for the guest to undo
 
     def close_write(self, handle: int, *, timeout: float = 60.0) -> Entry:
         """Finish a file: its entry, or the first error any write met."""

@@ -193,18 +193,29 @@ func (a *Agent) reader(f *os.File) {
 			continue
 		}
 		if l := bytes.TrimSpace(line); len(l) > 0 {
-			a.handle(l)
+			a.handle(l, r)
 		}
 		line = line[:0]
 	}
 }
 
-func (a *Agent) handle(line []byte) {
+func (a *Agent) handle(line []byte, r *bufio.Reader) {
 	defer a.guard(0)
 	var req Request
 	if err := json.Unmarshal(line, &req); err != nil {
 		a.send(&Reply{ID: req.ID, End: true, Code: "invalid", Error: "malformed request: " + err.Error()})
 		return
+	}
+	if req.Raw > 0 { // a payload in raw bytes after the line (file writes)
+		if req.Raw > maxLine {
+			a.send(&Reply{ID: req.ID, End: true, Code: "invalid", Error: "raw payload too large"})
+			_, _ = r.Discard(req.Raw)
+			return
+		}
+		req.Data = make([]byte, req.Raw)
+		if _, err := io.ReadFull(r, req.Data); err != nil {
+			return // the host went away mid-payload
+		}
 	}
 	switch req.Op {
 	case "hello":

@@ -21,6 +21,7 @@ type Request struct {
 	From      int64             `json:"from,omitempty"` // attach: replay output from this offset; -1: only new output
 	Sig       int               `json:"sig,omitempty"`
 	Data      []byte            `json:"data,omitempty"`
+	Raw       int               `json:"raw,omitempty"` // this many raw bytes follow the line: Data, without base64
 	Path      string            `json:"path,omitempty"`
 	Dest      string            `json:"dest,omitempty"`
 	Depth     int               `json:"depth,omitempty"`
