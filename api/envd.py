@@ -86,10 +86,36 @@ def _bytes(value: Any, what: str) -> bytes:
         raise ConnectError("invalid_argument", f"{what} is not base64") from None
 
 
+def int_of(message: Any, key: str, default: int) -> int:
+    value = message.get(key, default) if isinstance(message, dict) else default
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConnectError("invalid_argument", f"{key} must be a number")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConnectError("invalid_argument", f"{key} must be a number") from None
+
+
+def pty_size(message: dict[str, Any]) -> tuple[int, int] | None:
+    """`pty.size` as (cols, rows), or None without a pty."""
+    pty = message.get("pty")
+    if pty is None:
+        return None
+    size = pty.get("size") if isinstance(pty, dict) else None
+    if not isinstance(size, dict):
+        raise ConnectError("invalid_argument", "pty.size must be {cols, rows}")
+    cols, rows = int_of(size, "cols", 80), int_of(size, "rows", 24)
+    if not (0 < cols < 10000 and 0 < rows < 10000):
+        raise ConnectError("invalid_argument", "pty.size is out of range")
+    return cols, rows
+
+
 def path_of(message: dict[str, Any], key: str = "path") -> str:
     path = _string(message, key)
     if not path:
         raise ConnectError("invalid_argument", f"{key} is required")
+    if "\x00" in path:
+        raise ConnectError("invalid_argument", f"{key} contains a NUL byte")
     return path
 
 
@@ -113,9 +139,10 @@ class StartRequest:
             raise ConnectError("invalid_argument", "process.args must be a list of strings")
         if not (isinstance(envs, dict) and all(isinstance(v, str) for v in envs.values())):
             raise ConnectError("invalid_argument", "process.envs must map names to strings")
-        size = (m.get("pty") or {}).get("size") if isinstance(m.get("pty"), dict) else None
-        pty = (int(size.get("cols", 80)), int(size.get("rows", 24))) if isinstance(size, dict) else None
-        return cls(proc["cmd"], args, envs, _string(proc, "cwd"), _string(m, "tag"), bool(m.get("stdin")), pty)
+        if not all(isinstance(k, str) for k in envs):
+            raise ConnectError("invalid_argument", "process.envs must map names to strings")
+        return cls(proc["cmd"], args, envs, _string(proc, "cwd"), _string(m, "tag"), bool(m.get("stdin")),
+                   pty_size(m))
 
 
 def process_event(ev: Output | Exit | int | None) -> dict[str, Any]:
@@ -162,10 +189,7 @@ class Target:
         if not isinstance(sel, dict):
             raise ConnectError("invalid_argument", "process selector is required")
         if "pid" in sel:
-            try:
-                return int(sel["pid"])
-            except (TypeError, ValueError):
-                raise ConnectError("invalid_argument", "process.pid must be a number") from None
+            return int_of(sel, "pid", 0)
         tag = sel.get("tag")
         for p in self.call(lambda a: a.processes()):
             if tag and p.tag == tag:

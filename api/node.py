@@ -408,7 +408,7 @@ class Node:
         with self._capacity(names, Caller(record.team)), self.vmm("fork"):
             forks = self.boxes.fork(sid, count, names=names, template=record.template, team=record.team,
                                     end_at=time.time() + ttl, auto_pause=record.auto_pause,  # type: ignore[operator]
-                                    env=record.env)
+                                    env=record.env, metadata=dict(record.metadata))
         return [self.boxes.update(f.record.sid, access_token=new_token()) for f in forks]  # one token each
 
     def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:

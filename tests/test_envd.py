@@ -109,7 +109,7 @@ def test_an_agent_loop_through_the_sdk(sdk: type) -> None:
 
 def test_files_and_env_survive_pauses_and_forks(sdk: type, server: NodeServer) -> None:
     """E2B's issue #884 lost files after the second resume: here, five."""
-    sbx = sdk.create(template="base", timeout=600, envs={"KEPT": "yes"})
+    sbx = sdk.create(template="base", timeout=600, envs={"KEPT": "yes"}, metadata={"who": "tester"})
     try:
         for i in range(5):
             sbx.files.write(f"/root/f{i}", f"round {i}")
@@ -126,6 +126,7 @@ def test_files_and_env_survive_pauses_and_forks(sdk: type, server: NodeServer) -
             f.files.write("/root/mine", f"fork {n}")
         for n, f in enumerate(forks):
             assert f.files.read("/root/mine") == f"fork {n}"
+            assert f.get_info().metadata == {"who": "tester"}
             assert f.files.read("/root/f4") == "round 4"
             assert f.commands.run("echo $KEPT").stdout == "yes\n"
         assert not sbx.files.exists("/root/mine")
@@ -263,5 +264,40 @@ def test_a_stream_goes_on_across_a_snapshot_without_loss_or_repeats(sdk: type, s
                 assert r.status_code == 201, r.text
                 snapped += 1
         assert snapped == 2 and seen == "".join(f"{i}\n" for i in range(40))
+    finally:
+        sbx.kill()
+
+
+BAD_MESSAGES = [{}, {"process": "x"}, {"process": {"cmd": 5}}, {"process": {"cmd": "/bin/true", "args": "x"}},
+                {"process": {"cmd": "/bin/true", "envs": {"A": 1}}}, {"process": {"pid": "one"}},
+                {"process": {"pid": True}}, {"process": {"tag": "nope"}}, {"pty": {"size": {"cols": "wide"}}},
+                {"pty": {"size": {"cols": 0, "rows": 0}}}, {"process": {"pid": 1}, "pty": 7}, {"path": 5},
+                {"path": "/root", "depth": "deep"}, {"path": "/root", "depth": [1]}, {"signal": "SIGFOO"},
+                {"process": {"pid": 1}, "signal": ["x"]}, {"input": {"stdin": "!!"}}, {"watcherId": 7},
+                {"source": "/nope", "destination": 3}, {"path": "\x00/etc"}]
+
+
+def test_malformed_messages_get_clear_errors_never_a_500(sdk: type, server: NodeServer) -> None:
+    from api.routes.envd import FILESYSTEM, PROCESS
+
+    sbx = sdk.create(template="base", timeout=300)
+    try:
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as c:
+            for service, table in (("process.Process", PROCESS), ("filesystem.Filesystem", FILESYSTEM)):
+                for method, rpc in table.items():
+                    for message in BAD_MESSAGES:
+                        if rpc.streaming:
+                            r = c.post(f"/{service}/{method}", content=_envelope(message),
+                                       headers={"Content-Type": "application/connect+json"}, timeout=10)
+                            if b'"start"' in r.content[:64]:  # a message that happens to be valid: a real stream
+                                continue
+                            assert r.status_code == 200 and b'"code"' in r.content, (method, message, r.content)
+                            assert b'"internal"' not in r.content and b'"unknown"' not in r.content, (method, message)
+                        else:
+                            r = c.post(f"/{service}/{method}", json=message)
+                            assert r.status_code < 500 or r.json()["code"] not in ("internal", "unknown"), (
+                                method, message, r.text)
+        assert sbx.commands.run("echo still fine").stdout == "still fine\n"
     finally:
         sbx.kill()

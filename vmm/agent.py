@@ -1,7 +1,8 @@
 """Host side of the guest agent protocol (vmm/guest/README.md).
 
-JSON lines both ways over the VM's virtio-serial port (a unix socket here):
-every request carries an `id`; the guest answers each with one final reply
+JSON lines both ways over the VM's virtio-serial port (a unix socket here);
+bulk bytes (file blocks, process output) follow their line raw, the line's
+`raw` field saying how many. Every request carries an `id`; the guest answers each with one final reply
 (`end: true`, or `error` + `code`), streams (process output, file reads,
 watches) send more replies with the same id before it. Many requests are in
 flight at once: one reader thread per connection hands each reply to the
@@ -12,8 +13,10 @@ Lines sent while nothing in the guest has the port open are dropped, so a
 new connection resends `hello` until the guest answers; the hello's session
 token tells the guest that the previous connection's streams are dead.
 
-The guest is not trusted: a line longer than MAX_LINE is cut and dropped, a
-reply that is not a JSON object is skipped, each request's queue is bounded
+The guest is not trusted: a line longer than MAX_LINE is cut and dropped,
+and so is a raw payload it announces past that size (the connection is
+closed: nothing after it can be framed); a reply that is not a JSON object
+is skipped, each request's queue is bounded
 (a consumer that stops reading loses its stream, not the host's memory), and
 the number of requests in flight per sandbox is capped.
 """
@@ -239,6 +242,7 @@ class _Conn:
 
     def _read(self) -> None:
         buf, skipping = b"", False
+        waiting: dict[str, Any] | None = None  # a reply whose raw bytes are still arriving
         try:
             while self.alive:
                 try:
@@ -248,24 +252,49 @@ class _Conn:
                 if not part:
                     break
                 buf += part
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
+                while True:
+                    if waiting is not None:
+                        if len(buf) < waiting["raw"]:
+                            break
+                        waiting["data"], buf = buf[:waiting["raw"]], buf[waiting["raw"]:]
+                        self._deliver(waiting)
+                        waiting = None
+                    line, newline, rest = buf.partition(b"\n")
+                    if not newline:
+                        break
+                    buf = rest
                     if skipping:  # the end of an over-long line
                         skipping = False
                         continue
-                    self._deliver(line)
-                if len(buf) > MAX_LINE:
+                    waiting = self._parse(line)
+                if len(buf) > MAX_LINE and waiting is None:
                     buf, skipping = b"", True
                     self.dropped_lines += 1
         except OSError:
             pass
         self.close()
 
-    def _deliver(self, line: bytes) -> None:
+    def _parse(self, line: bytes) -> dict[str, Any] | None:
+        """Deliver a reply line, or return it if raw bytes follow it."""
         try:
             reply = json.loads(line)
+            raw = reply.get("raw", 0)
+        except (ValueError, TypeError, AttributeError):
+            self.dropped_lines += 1
+            return None
+        if isinstance(raw, int) and 0 < raw <= MAX_LINE:
+            return reply
+        if raw:  # a size we will not buffer: nothing after it can be framed
+            self.dropped_lines += 1
+            self.close()
+            return None
+        self._deliver(reply)
+        return None
+
+    def _deliver(self, reply: dict[str, Any]) -> None:
+        try:
             rid = reply["id"]
-        except (ValueError, TypeError, KeyError):
+        except (TypeError, KeyError):
             self.dropped_lines += 1
             return
         with self.lock:
@@ -567,6 +596,9 @@ def _send_within(sock: socket.socket, data: bytes, timeout: float) -> None:
 
 
 def _b64(data: Any) -> bytes:
+    """A reply's data: raw bytes as they came, or base64 in the JSON."""
+    if isinstance(data, bytes):
+        return data
     try:
         return base64.b64decode(data, validate=True)
     except (ValueError, TypeError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,6 +34,7 @@ from ..envd import Target, entry_info, path_of
 
 router = APIRouter(include_in_schema=False)
 PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
+ENVD_HOST = re.compile(r"^49983-([A-Za-z0-9-]{1,64})\.")
 DEFAULT_KEEPALIVE = 50.0  # seconds between keepalive events on a quiet stream (the SDK asks for its own)
 UPLOAD_BLOCK = 1 << 20  # bytes gathered from the request before each hand-off to the agent
 
@@ -54,8 +56,18 @@ def _user(request: Request) -> str:
     return user
 
 
+def sandbox_of(request: Request) -> str:
+    """The sandbox a request is for: `E2b-Sandbox-Id`, or the host name
+    `49983-{id}.{domain}` E2B's SDK uses with a domain (behind a proxy)."""
+    given = request.headers.get("e2b-sandbox-id", "")
+    if not given:
+        match = ENVD_HOST.match(request.headers.get("host", ""))
+        given = match.group(1) if match else ""
+    return given
+
+
 async def _target(request: Request, node: Any) -> Target:
-    return await run_in_threadpool(node.data_plane, request.headers.get("e2b-sandbox-id", ""),
+    return await run_in_threadpool(node.data_plane, sandbox_of(request),
                                    token=request.headers.get("x-access-token"),
                                    key=request.headers.get("x-api-key"), user=_user(request))
 
@@ -105,7 +117,8 @@ def _input(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, A
 
 
 def _signal(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, Any]:
-    pid, sig = t.pid_of(m), envd.SIGNALS.get(m.get("signal"))
+    given = m.get("signal")
+    pid, sig = t.pid_of(m), envd.SIGNALS.get(given) if isinstance(given, (str, int)) else None
     if sig is None:
         raise ConnectError("invalid_argument", f"signal {m.get('signal')!r} is not SIGNAL_SIGTERM or SIGNAL_SIGKILL")
     t.call(lambda a: a.signal(pid, sig))
@@ -113,10 +126,10 @@ def _signal(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, 
 
 
 def _update(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, Any]:
-    pid, size = t.pid_of(m), (m.get("pty") or {}).get("size") if isinstance(m.get("pty"), dict) else None
-    if not isinstance(size, dict):
+    pid, size = t.pid_of(m), envd.pty_size(m)
+    if size is None:
         raise ConnectError("invalid_argument", "pty.size is required")
-    t.call(lambda a: a.resize(pid, int(size.get("cols", 80)), int(size.get("rows", 24))))
+    t.call(lambda a: a.resize(pid, *size))
     return {}
 
 
@@ -158,7 +171,7 @@ FILESYSTEM = {
     "Move": Rpc(lambda n, t, m, h: {"entry": entry_info(t.call(
         lambda a: a.move(path_of(m, "source"), path_of(m, "destination"), user=t.user)))}),
     "ListDir": Rpc(lambda n, t, m, h: {"entries": [entry_info(e) for e in t.call(
-        lambda a: a.list_dir(path_of(m), depth=int(m.get("depth") or 1), user=t.user))]}),
+        lambda a: a.list_dir(path_of(m), depth=envd.int_of(m, "depth", 1) or 1, user=t.user))]}),
     "Remove": Rpc(lambda n, t, m, h: (t.call(lambda a: a.remove(path_of(m), user=t.user)), {})[1]),
     "WatchDir": Rpc(_watch, streaming=True),
     "CreateWatcher": Rpc(lambda n, t, m, h: {"watcherId": n.watchers.create(t, path_of(m), bool(m.get("recursive")))}),

@@ -136,12 +136,21 @@ func (a *Agent) writer(w io.Writer) {
 	}
 }
 
+// encode makes a reply's line; its Data, if any, follows raw (no base64
+// for an emulated CPU to spend time on).
 func encode(r *Reply) []byte {
+	payload := r.Data
+	if len(payload) > 0 {
+		copied := *r
+		copied.Data, copied.Raw = nil, len(payload)
+		r = &copied
+	}
 	line, err := json.Marshal(r)
 	if err != nil {
 		line, _ = json.Marshal(&Reply{ID: r.ID, End: true, Code: "internal", Error: err.Error()})
+		payload = nil
 	}
-	return append(line, '\n')
+	return append(append(line, '\n'), payload...)
 }
 
 // send queues the reply to a one-shot request.
@@ -167,6 +176,8 @@ func (a *Agent) sendError(id uint64, err error) {
 		code = "not_dir"
 	case errors.Is(err, syscall.EISDIR):
 		code = "is_dir"
+	case errors.Is(err, syscall.EINVAL), errors.Is(err, syscall.ENAMETOOLONG), errors.Is(err, syscall.ELOOP):
+		code = "invalid"
 	}
 	a.send(&Reply{ID: id, End: true, Code: code, Error: err.Error()})
 }

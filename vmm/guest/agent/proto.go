@@ -48,6 +48,7 @@ type Reply struct {
 	Pid     int        `json:"pid,omitempty"`
 	Fd      int        `json:"fd,omitempty"` // 1 stdout, 2 stderr, 3 pty
 	Data    []byte     `json:"data,omitempty"`
+	Raw     int        `json:"raw,omitempty"`  // Data follows the line as this many raw bytes (not in the JSON)
 	Off     int64      `json:"off,omitempty"`  // offset of Data in the process's output
 	Lost    int64      `json:"lost,omitempty"` // output bytes dropped before Off (ring overrun)
 	Exit    *Exit      `json:"exit,omitempty"`
