@@ -301,3 +301,37 @@ def test_malformed_messages_get_clear_errors_never_a_500(sdk: type, server: Node
         assert sbx.commands.run("echo still fine").stdout == "still fine\n"
     finally:
         sbx.kill()
+
+
+def busybox_oci(root: Path) -> Path:
+    """A container-style image: static busybox and a few of its applets, no
+    /sbin/init, an image config with Env and WorkingDir."""
+    from tests.oci_images import layer, write_oci
+
+    busybox = Path(shutil.which("busybox") or "/bin/busybox").read_bytes()
+    applets = ["sh", "echo", "cat", "ls", "pwd", "id", "sleep", "sync", "head", "true"]
+    entries = [("dir", "bin"), ("dir", "etc"), ("dir", "tmp"), ("dir", "root"), ("dir", "work"),
+               ("file", "bin/busybox", busybox, 0o755), *[("symlink", f"bin/{a}", "busybox") for a in applets],
+               ("file", "etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")]
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Env": ["PATH=/bin", "GREETING=from-the-image"], "WorkingDir": "/work"}}
+    return write_oci(root, [layer(entries)], config=config)
+
+
+def test_an_oci_image_without_an_init_boots_with_its_config(sdk: type, server: NodeServer, tmp_path: Path) -> None:
+    """The initramfs injects the agent into any root: here one with no init
+    at all, whose Env and WorkingDir apply to every process."""
+    server.strata("image", "import", str(busybox_oci(tmp_path / "oci")), "busybox-oci:v1")
+    sbx = sdk.create(template="busybox-oci:v1", timeout=300, envs={"EXTRA": "mine"})
+    try:
+        r = sbx.commands.run("echo $GREETING $EXTRA; pwd; ls /sbin 2>&1; id -u")
+        assert r.stdout.splitlines()[:2] == ["from-the-image mine", "/work"]
+        assert "No such file" in r.stdout and r.stdout.splitlines()[-1] == "0"
+        sbx.files.write("/work/note", "kept")
+        sbx.commands.run("sync")
+        assert sbx.pause() is True
+        sbx = sdk.connect(sbx.sandbox_id, timeout=300)
+        assert sbx.files.read("/work/note") == "kept"
+        assert sbx.commands.run("echo $GREETING").stdout == "from-the-image\n"
+    finally:
+        sbx.kill()

@@ -47,6 +47,8 @@ QUEUE_REPLIES = 1024  # replies buffered per request before its stream is droppe
 WRITE_BLOCK = 1 << 20  # bytes of a file per write message (sent raw after its line)
 HELLO_EVERY = 0.25  # seconds between hellos while the guest has not answered
 SEND_TIMEOUT = 30.0  # a guest that takes no input for this long is stuck
+# QEMU's port takes one client: a second one's hellos wait unanswered.
+BUSY_HINT = " (is another process, such as strata serve, connected to this sandbox's agent?)"
 
 
 class AgentError(StrataError):
@@ -370,9 +372,8 @@ class Agent:
                 reply = stream.next(min(HELLO_EVERY, max(left, 0.01)))
             except AgentTimeout:
                 conn.forget(stream.id)
-                if left <= 0:  # QEMU takes one client per port: a second waits unanswered
-                    raise AgentTimeout("guest agent did not answer (is another process, such as strata serve, "
-                                       "connected to this sandbox's agent?)") from None
+                if left <= 0:
+                    raise AgentTimeout(f"guest agent did not answer{BUSY_HINT}") from None
                 continue
             self.boot = str(reply.get("boot", ""))
             return
@@ -382,8 +383,8 @@ class Agent:
         started = time.monotonic()
         try:
             self._connection(started + timeout)
-        except AgentTimeout as exc:
-            raise AgentTimeout(f"{exc} within {timeout:.0f} s") from None
+        except AgentTimeout:
+            raise AgentTimeout(f"guest agent did not answer within {timeout:.0f} s{BUSY_HINT}") from None
         return time.monotonic() - started
 
     def open_stream(self, op: str, *, timeout: float = 60.0, **fields: Any) -> Stream:
