@@ -175,6 +175,7 @@ class Target:
     agent_of: Callable[[], Agent]  # the current VM's agent; raises ConnectError if paused or gone
     env: dict[str, str] = field(default_factory=dict)
     user: str = ""
+    cwd: str = ""  # where processes start unless they say (an image's WorkingDir)
     log: Callable[[str, str], None] = lambda level, message: None  # the sandbox's event log
 
     def call(self, fn: Callable[[Agent], Any]) -> Any:
@@ -202,7 +203,8 @@ class Target:
 
 def start_process(target: Target, req: StartRequest) -> tuple[int, Stream]:
     env = {**target.env, **req.envs}
-    pid, stream = target.call(lambda a: a.start(req.cmd, req.args, env=env, cwd=req.cwd, user=target.user,
+    pid, stream = target.call(lambda a: a.start(req.cmd, req.args, env=env, cwd=req.cwd or target.cwd,
+                                                user=target.user,
                                                 tag=req.tag, stdin=req.stdin, pty=req.pty))
     target.log("info", f"process {pid} started: {' '.join([req.cmd, *req.args])[:500]}")
     return pid, stream

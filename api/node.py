@@ -34,6 +34,7 @@ from pathlib import Path
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
+from layerstore.oci import runtime_of
 from layerstore.refs import parse_ref
 from layerstore.store import Store
 from layerstore.templates import check_template_name
@@ -294,7 +295,7 @@ class Node:
             except (NotFound, Conflict):
                 raise ConnectError("unavailable", f"sandbox {sid} is not running") from None
 
-        return Target(sid, agent_of, env=dict(record.env), user=user,
+        return Target(sid, agent_of, env=dict(record.env), user=user or record.user, cwd=record.cwd,
                       log=lambda level, message: self.boxes.log_event(sid, level, message))
 
     def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
@@ -325,7 +326,9 @@ class Node:
                auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None) -> SandboxRecord:
         lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
                     "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token()}
-        if source.kind == "image":
+        if source.kind == "image":  # the image config (an OCI import's) applies to every process
+            runtime = runtime_of(self.store.stack(self.store.resolve(source.target))[0].annotations)
+            lifetime.update(env={**runtime.env, **(env or {})}, cwd=runtime.cwd, user=runtime.user)
             with self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
                                        metadata=metadata, **lifetime).record
@@ -408,7 +411,8 @@ class Node:
         with self._capacity(names, Caller(record.team)), self.vmm("fork"):
             forks = self.boxes.fork(sid, count, names=names, template=record.template, team=record.team,
                                     end_at=time.time() + ttl, auto_pause=record.auto_pause,  # type: ignore[operator]
-                                    env=record.env, metadata=dict(record.metadata))
+                                    env=record.env, metadata=dict(record.metadata), cwd=record.cwd,
+                                    user=record.user)
         return [self.boxes.update(f.record.sid, access_token=new_token()) for f in forks]  # one token each
 
     def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:

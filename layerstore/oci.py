@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +60,29 @@ class Image:
         """The parts of the config a sandbox applies (kept as annotations)."""
         keep = {k: self.config[k] for k in ("Env", "WorkingDir", "User", "Entrypoint", "Cmd") if self.config.get(k)}
         return {"oci.config": json.dumps(keep, sort_keys=True)} if keep else {}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a sandbox booted from an imported image applies: the image
+    config's Env (as a dict), WorkingDir and User (Entrypoint and Cmd are
+    kept in the annotation, not run)."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = ""
+    user: str = ""
+
+
+def runtime_of(annotations: Mapping[str, str]) -> Runtime:
+    """The Runtime an image's `oci.config` annotation describes (empty for
+    an image that has none, or one that does not parse: a disk still boots)."""
+    try:
+        config = json.loads(annotations.get("oci.config", "{}"))
+        env = dict(item.split("=", 1) for item in config.get("Env") or [] if "=" in item)
+        return Runtime({str(k): str(v) for k, v in env.items()}, str(config.get("WorkingDir") or ""),
+                       str(config.get("User") or "").split(":", 1)[0])
+    except (ValueError, TypeError, AttributeError):
+        return Runtime()
 
 
 class Source:

@@ -396,15 +396,17 @@ type user struct {
 	home     string
 }
 
-// lookupUser reads /etc/passwd; "" is root.
+// lookupUser reads /etc/passwd; "" is root, a number is a uid (an OCI
+// image's User may be one that /etc/passwd does not list).
 func lookupUser(name string) (*user, error) {
 	if name == "" {
 		name = "root"
 	}
+	uid, numeric := strconv.ParseUint(name, 10, 32)
 	data, _ := os.ReadFile("/etc/passwd")
 	for _, line := range strings.Split(string(data), "\n") {
 		f := strings.Split(line, ":")
-		if len(f) >= 6 && f[0] == name {
+		if len(f) >= 6 && (f[0] == name || (numeric == nil && f[2] == name)) {
 			uid, err1 := strconv.ParseUint(f[2], 10, 32)
 			gid, err2 := strconv.ParseUint(f[3], 10, 32)
 			if err1 == nil && err2 == nil {
@@ -414,6 +416,9 @@ func lookupUser(name string) (*user, error) {
 	}
 	if name == "root" {
 		return &user{"root", 0, 0, "/root"}, nil
+	}
+	if numeric == nil {
+		return &user{name, uint32(uid), uint32(uid), "/"}, nil
 	}
 	return nil, fail("invalid", fmt.Sprintf("user %q does not exist in the sandbox", name))
 }
