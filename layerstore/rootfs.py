@@ -2,6 +2,17 @@
 
     layer tars, in order  ->  staging tree (BUILD/root)  ->  mkfs.ext4 -d  ->  BUILD/rootfs.ext4
 
+or, when the store already has the disk of a prefix of the image's layers
+(an earlier version of the image: same first layers), on top of that disk:
+
+    strata-oci:<chain of layers 1..k>  ->  export, resize2fs  ->  fuse2fs mount
+        ->  layers k+1..n applied into it  ->  BUILD/rootfs.ext4
+
+so the new disk keeps the old one's blocks where they were and shares its
+chunks (mkfs.ext4 -d lays a whole tree out afresh: one added file then
+changed nearly every chunk). Every imported image's full chain is tagged
+`strata-oci:<chain id>` for the versions after it.
+
 Each layer is a tar (plain, gzip or zstd) applied the way OCI says: an
 entry `.wh.NAME` deletes NAME from the layers below, `.wh..wh..opq` empties
 its directory first, everything else is created or replaced with its mode,
@@ -19,19 +30,24 @@ remove; nothing is published before the disk is whole.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
 import subprocess
 import tarfile
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import zstandard
 
-from .errors import CorruptObject, InvalidInput, StrataError
+from .errors import CorruptObject, InvalidInput, NotFound, StrataError
+from .exporter import export_image
 from .importer import ImportResult, import_image
 from .oci import Blob, Hashing, Image, open_image
 from .store import Store
@@ -41,6 +57,8 @@ OPAQUE = ".wh..wh..opq"
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
 DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_MAX_ENTRIES = 4_000_000
+CHAIN_REF = "strata-oci"  # refs NAME of the disks of layer chains, tagged by chain id
+CHAIN_TAG = 32  # hex digits of a chain id kept in its tag
 
 
 @dataclass
@@ -51,11 +69,12 @@ class Limits:
     entries: int = 0
 
 
-def apply_layers(image: Image, root: Path, *, limits: Limits | None = None) -> Limits:
-    """Unpack every layer of `image` into `root` (an empty directory), in order, each verified."""
+def apply_layers(image: Image, root: Path, *, limits: Limits | None = None, skip: int = 0) -> Limits:
+    """Unpack the layers of `image` past the first `skip` into `root`, in
+    order, each verified."""
     limits = limits or Limits()
     root.mkdir(parents=True, exist_ok=True)
-    for blob in image.layers:
+    for blob in image.layers[skip:]:
         with image.source.open(blob.path) as raw:
             hashing = Hashing(raw)
             try:
@@ -237,22 +256,122 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
+def chain_ids(image: Image) -> list[str]:
+    """For each k, an id of layers 1..k (their digests in order), as OCI's
+    ChainID; empty past the first layer whose container names no digest."""
+    out, h = [], hashlib.sha256()
+    for blob in image.layers:
+        if not blob.digest:
+            break
+        h.update(blob.digest.encode() + b"\n")
+        out.append(h.copy().hexdigest()[:CHAIN_TAG])
+    return out
+
+
+def chain_ref(chain_id: str) -> str:
+    return f"{CHAIN_REF}:{chain_id}"
+
+
+def _known_prefix(store: Store, chains: list[str]) -> int:
+    """How many leading layers a disk in the store already holds (0: none)."""
+    for k in range(len(chains), 0, -1):
+        try:
+            store.resolve(chain_ref(chains[k - 1]))
+            return k
+        except NotFound:
+            continue
+    return 0
+
+
 def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: int | None = None,
                max_bytes: int = DEFAULT_MAX_BYTES, **import_options: Any) -> ImportResult:
     """Import an OCI layout/archive or `docker save` archive as the ext4
     disk image `ref`: layers applied into a private build directory under
-    `build_root`, which is removed afterwards whatever happens. The image
-    config's Env, WorkingDir, User, Entrypoint and Cmd ride along as the
-    layer's `oci.config` annotation. `import_options` go to `import_image`."""
+    `build_root`, which is removed afterwards whatever happens; on the disk
+    of the longest prefix of its layers the store has, if any (module
+    docstring). The image config's Env, WorkingDir, User, Entrypoint and Cmd
+    ride along as the layer's `oci.config` annotation. `import_options` go
+    to `import_image`."""
     image = open_image(path)
     build_root.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix="oci-", dir=build_root))
+    chains = chain_ids(image)
     try:
         os.chmod(build, 0o700)  # device nodes and setuid files live here until mkfs
-        apply_layers(image, build / "root", limits=Limits(max_bytes=max_bytes))
-        make_ext4(build / "root", build / "rootfs.ext4", size=size)
+        disk, limits = build / "rootfs.ext4", Limits(max_bytes=max_bytes)
+        known = _known_prefix(store, chains) if size is None else 0
+        if known:
+            export_image(store, chain_ref(chains[known - 1]), disk)
+            more = _layers_bytes(image, known)
+            if _free_bytes(disk) < more + more // 4 + (16 << 20):  # growing moves metadata: only when needed
+                _grow(disk, more)
+            if known < len(image.layers):  # (a mount alone rewrites the superblock)
+                with _mounted(disk, build / "mnt") as root:
+                    apply_layers(image, root, limits=limits, skip=known)
+        else:
+            apply_layers(image, build / "root", limits=limits)
+            make_ext4(build / "root", disk, size=size)
         notes = {"source": path.name, "format": "oci", **image.runtime()}
-        return import_image(store, build / "rootfs.ext4", ref, annotations=notes, **import_options)
+        result = import_image(store, disk, ref, annotations=notes, **import_options)
+        if len(chains) == len(image.layers):
+            store.set_ref(chain_ref(chains[-1]), result.manifest_id)
+        return result
     finally:
         image.source.close()
         shutil.rmtree(build, ignore_errors=True)
+
+
+def _layers_bytes(image: Image, skip: int) -> int:
+    """Bytes the layers past `skip` unpack to (a pass over their tar headers)."""
+    total = 0
+    for blob in image.layers[skip:]:
+        with image.source.open(blob.path) as raw, _TarStream(Hashing(raw), blob) as tar:
+            total += sum(max(m.size, 4096) for m in tar)
+    return total
+
+
+def _free_bytes(disk: Path) -> int:
+    """Free space in an ext4 image, from its superblock."""
+    r = subprocess.run(["dumpe2fs", "-h", str(disk)], capture_output=True, text=True)
+    fields = dict(line.split(":", 1) for line in r.stdout.splitlines() if ":" in line)
+    try:
+        return int(fields["Free blocks"]) * int(fields["Block size"])
+    except (KeyError, ValueError):
+        return 0
+
+
+def _grow(disk: Path, more: int) -> None:
+    """Give an ext4 image room for `more` bytes of files (plus a quarter and 64 MiB)."""
+    size = _round_up(disk.stat().st_size + more + more // 4 + (64 << 20), 1 << 20)
+    r = subprocess.run(["resize2fs", "-f", str(disk), f"{size // 1024}K"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise StrataError(f"resize2fs failed: {r.stderr.strip() or r.stdout.strip()}")
+
+
+@contextmanager
+def _mounted(disk: Path, mnt: Path) -> Iterator[Path]:
+    """The ext4 image mounted read-write with fuse2fs (no kernel mount, no
+    loop device), unmounted and flushed to the file on the way out."""
+    if shutil.which("fuse2fs") is None:
+        raise StrataError("fuse2fs is needed to build on an earlier version's disk (apt-get install fuse2fs)")
+    mnt.mkdir()
+    proc = subprocess.Popen(["fuse2fs", "-f", "-o", "rw", str(disk), str(mnt)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise StrataError(f"fuse2fs could not mount {disk.name}: {(proc.stderr.read() if proc.stderr else '')[-300:]}")
+            time.sleep(0.02)
+        yield mnt
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
+        try:
+            proc.wait(timeout=120)  # fuse2fs writes the image out as it exits
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise StrataError("fuse2fs did not finish writing the disk") from None
+    if proc.returncode != 0:
+        raise StrataError(f"fuse2fs failed: {(proc.stderr.read() if proc.stderr else '')[-300:]}")

@@ -140,3 +140,36 @@ def test_hostile_archives_publish_nothing_and_write_nothing_outside(tmp_path: Pa
     assert strata("image", "ls", "--store", str(store), "--json", env=env).stdout.count("evil") == 0
     build = tmp_path / "state" / "build"
     assert not build.exists() or not list(build.iterdir())
+
+
+def test_a_new_version_builds_on_the_old_disk_and_shares_its_chunks(tmp_path: Path) -> None:
+    """v2 = v1's layer + one small layer: built on v1's disk (fuse2fs), so
+    it stores a handful of new chunks, not a new disk; its tree is right and
+    the filesystem checks clean."""
+    import random
+
+    rng = random.Random(7)
+    files = [("file", f"usr/share/data/f{i:02d}", rng.randbytes(1 << 20)) for i in range(24)]
+    base = layer(BASE + files)
+    update = layer([("file", "etc/motd", b"v2\n"), ("file", "usr/share/data/.wh.f03", b""),
+                    ("file", "usr/share/data/f05", b"rewritten")])
+    env = {"STRATA_STATE_DIR": str(tmp_path / "state")}
+    store = str(tmp_path / "store")
+    one = json.loads(strata("image", "import", "--json", "--store", store,
+                            str(write_oci(tmp_path / "v1", [base])), "app:v1", env=env).stdout)
+    two = json.loads(strata("image", "import", "--json", "--store", store,
+                            str(write_oci(tmp_path / "v2", [base, update])), "app:v2", env=env).stdout)
+    assert one["new_chunks"] >= 24
+    assert two["new_chunks"] <= max(6, one["new_chunks"] // 5), (one, two)
+    disk = tmp_path / "v2.ext4"
+    strata("image", "export", "--store", store, "app:v2", str(disk), env=env)
+    assert subprocess.run(["e2fsck", "-fn", str(disk)], capture_output=True).returncode == 0
+    assert debugfs(disk, "cat /etc/motd") == "v2\n"
+    assert debugfs(disk, "cat /usr/share/data/f05") == "rewritten"
+    gone = subprocess.run(["debugfs", "-R", "stat /usr/share/data/f03", str(disk)], capture_output=True, text=True)
+    assert "not found" in gone.stderr
+    assert stat_of(disk, "/bin/tool")["Mode"].endswith("4755")
+    # a third import of v2's exact layers stores nothing new
+    three = json.loads(strata("image", "import", "--json", "--store", store,
+                              str(write_oci(tmp_path / "v2b", [base, update])), "app:v2b", env=env).stdout)
+    assert three["new_chunks"] == 0
