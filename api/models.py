@@ -58,6 +58,8 @@ class NewSandbox(Lenient):
     autoPause: bool = Field(False, description="pause instead of kill when the timeout expires")
     metadata: dict[str, str] = Field(default_factory=dict)
     envVars: dict[str, str] = Field(default_factory=dict)
+    diskSizeMB: int | None = Field(None, ge=1, le=16 << 20, description="Strata: a disk this large (MiB, at least "
+                                   "the image's); the guest's root filesystem grows into it at boot")
 
 
 class Sandbox(Reply):

@@ -323,12 +323,17 @@ class Node:
                     self._reserved.pop(sid, None)
 
     def _start(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
-               auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None) -> SandboxRecord:
+               auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
+               disk_mb: int | None = None) -> SandboxRecord:
         lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
                     "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token()}
         if source.kind == "image":  # the image config (an OCI import's) applies to every process
             runtime = runtime_of(self.store.stack(self.store.resolve(source.target))[0].annotations)
             lifetime.update(env={**runtime.env, **(env or {})}, cwd=runtime.cwd, user=runtime.user)
+            if disk_mb:
+                lifetime["disk_size"] = disk_mb << 20
+        elif disk_mb:
+            raise InvalidInput("diskSizeMB applies to sandboxes booted from an image, not restored from a snapshot")
             with self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
                                        metadata=metadata, **lifetime).record
@@ -337,14 +342,16 @@ class Node:
 
     # lifecycle ---------------------------------------------------------------------------
     def create(self, caller: Caller, template_id: str, *, timeout: int | None, auto_pause: bool,
-               metadata: dict[str, str], env: dict[str, str] | None = None) -> SandboxRecord:
+               metadata: dict[str, str], env: dict[str, str] | None = None,
+               disk_mb: int | None = None) -> SandboxRecord:
         ttl = self._ttl(timeout)
         if POOL_KEY in metadata:
             raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
         source = self.source(template_id, caller)
         sid = new_sid()
         with self._capacity([sid], caller):
-            pooled = self._take_from_pool(template_id) if template_id in self.config.warm_pool else None
+            pooled = (self._take_from_pool(template_id)
+                      if template_id in self.config.warm_pool and not disk_mb else None)
             if pooled is not None:
                 with self.vmm("create"):
                     self.boxes.resume(pooled.sid)
@@ -353,7 +360,7 @@ class Node:
                                          end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
                                          env=env or {}, access_token=new_token())
             return self._start(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
-                               team=caller.team, env=env)
+                               team=caller.team, env=env, disk_mb=disk_mb)
 
     def kill(self, caller: Caller, sid: str) -> None:
         self.record(sid, caller)

@@ -87,9 +87,11 @@ class MountClient:
     def stats(self, *, timeout: float = 30.0) -> MountStats:
         return self.request(Stats(), timeout=timeout)
 
-    def create_disk(self, sid: str, *, image: str | None = None, manifest: str | None = None) -> DiskInfo:
-        """A sandbox disk over an image (NAME:TAG) or a layer (manifest id): exactly one."""
-        return self.request(CreateDisk(sid, image=image, manifest=manifest))
+    def create_disk(self, sid: str, *, image: str | None = None, manifest: str | None = None,
+                    size: int | None = None) -> DiskInfo:
+        """A sandbox disk over an image (NAME:TAG) or a layer (manifest id):
+        exactly one; `size` bytes (at least the image's) if given."""
+        return self.request(CreateDisk(sid, image=image, manifest=manifest, size=size))
 
     def list_disks(self, *, timeout: float = 30.0) -> list[DiskInfo]:
         return self.request(ListDisks(), timeout=timeout).disks

@@ -140,14 +140,15 @@ class Catalogue:
         if self.fs is not None:
             self.fs.add_sandbox(upper.sid, upper)
 
-    def create_sandbox(self, sid: str, *, image: str | None = None, manifest: str | None = None) -> UpperLayer:
+    def create_sandbox(self, sid: str, *, image: str | None = None, manifest: str | None = None,
+                       size: int | None = None) -> UpperLayer:
         check_sid(sid)
         if (image is None) == (manifest is None):
             raise InvalidInput("give exactly one of image or manifest")
         if sid in self.sandboxes:
             raise InvalidInput(f"sandbox {sid} already exists")
         view = self.view_for_ref(parse_ref(image)) if image else self.view_for_manifest(manifest)  # type: ignore[arg-type]
-        upper = UpperLayer.create(self.upper_root / sid, view, relower=self.view_for_manifest)
+        upper = UpperLayer.create(self.upper_root / sid, view, relower=self.view_for_manifest, size=size)
         self._attach(upper)
         return upper
 
@@ -291,7 +292,7 @@ class Daemon:
         return self.mountpoint / "sandboxes" / sid / "disk.img"
 
     def create_disk(self, r: CreateDisk) -> DiskInfo:
-        upper = self.cat.create_sandbox(r.sid, image=r.image, manifest=r.manifest)
+        upper = self.cat.create_sandbox(r.sid, image=r.image, manifest=r.manifest, size=r.size)
         return self.cat.sandbox_info(upper, self._disk_path(upper.sid))
 
     def list_disks(self, _r: ListDisks) -> DiskList:

@@ -181,6 +181,7 @@ class CreateDisk(Request[DiskInfo]):
     sid: str
     image: str | None = None
     manifest: str | None = None
+    size: int | None = None  # bytes, at least the image's (default: the image's)
 
     def __post_init__(self) -> None:
         if (self.image is None) == (self.manifest is None):

@@ -43,6 +43,8 @@ from layerstore.errors import InvalidInput, NotFound, StrataError
 
 from .view import LayerView, chunk_spans
 
+MAX_DISK = 16 << 40  # bytes: the largest sandbox disk (a sparse file)
+
 class RWLock:
     """Many readers/writers of data (shared) or one seal switch (exclusive)."""
 
@@ -190,15 +192,21 @@ class UpperLayer:
 
     # creation / loading -----------------------------------------------------
     @classmethod
-    def create(cls, root: Path, lower: LayerView, *, relower: Callable[[str], LayerView]) -> "UpperLayer":
-        """A fresh, empty upper layer over `lower` (fails if `root` exists)."""
+    def create(cls, root: Path, lower: LayerView, *, relower: Callable[[str], LayerView],
+               size: int | None = None) -> "UpperLayer":
+        """A fresh, empty upper layer over `lower` (fails if `root` exists),
+        `size` bytes long: at least the lower's, and past its end the disk
+        reads zeros (a sandbox's disk larger than its image)."""
+        size = lower.size if size is None else size
+        if size < lower.size or size > MAX_DISK:
+            raise InvalidInput(f"disk size {size} is outside {lower.size}..{MAX_DISK} bytes (its image's size and up)")
         try:
             root.mkdir(parents=True)
         except FileExistsError:
             raise InvalidInput(f"sandbox {root.name} already exists") from None
-        state = {"base": lower.manifest_id, "size": lower.size, "chunk_size": lower.chunk_size, "gen": 1,
+        state = {"base": lower.manifest_id, "size": size, "chunk_size": lower.chunk_size, "gen": 1,
                  "sealing": [], "layers": []}
-        gen = _Generation(root, 1, lower.size, lower.chunk_size, create=True)
+        gen = _Generation(root, 1, size, lower.chunk_size, create=True)
         gen.sync()
         gen.close()
         _write_atomic(root / "state.json", json.dumps(state).encode())
@@ -228,7 +236,8 @@ class UpperLayer:
         for frozen in reversed(self.sealing):
             if frozen.is_dirty(index):
                 return os.pread(frozen.fd, n, index * self.chunk_size + inner)
-        return self.lower.read(index * self.chunk_size + inner, n)
+        data = self.lower.read(index * self.chunk_size + inner, n)
+        return data if len(data) == n else data + bytes(n - len(data))  # past the image's end: zeros
 
     def read(self, offset: int, length: int) -> bytes:
         end = min(self.size, offset + length)

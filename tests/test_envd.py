@@ -335,3 +335,31 @@ def test_an_oci_image_without_an_init_boots_with_its_config(sdk: type, server: N
         assert sbx.commands.run("echo $GREETING").stdout == "from-the-image\n"
     finally:
         sbx.kill()
+
+
+def test_a_disk_larger_than_its_image_is_seen_by_the_guest(sdk: type, server: NodeServer) -> None:
+    """diskSizeMB on create: the disk is that large and the agent grew the
+    root filesystem into it at boot; the space is usable and survives a pause."""
+    r = server.client.post("/sandboxes", json={"templateID": "guest:v1", "timeout": 300, "diskSizeMB": 512})
+    assert r.status_code == 201, r.text
+    sbx = sdk.connect(r.json()["sandboxID"])
+    try:
+        total_mb = int(sbx.commands.run("df -m / | tail -1").stdout.split()[1])
+        assert 450 < total_mb <= 512, total_mb  # the image is 64 MiB
+        sbx.commands.run("head -c 200000000 /dev/zero > /root/big; sync")  # more than the image could hold
+        assert sbx.pause() is True
+        sbx = sdk.connect(sbx.sandbox_id, timeout=300)
+        assert sbx.files.get_info("/root/big").size == 200_000_000
+        snap = server.client.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "big-disk"})
+        assert snap.status_code == 201, snap.text
+    finally:
+        sbx.kill()
+    too_small = server.client.post("/sandboxes", json={"templateID": "guest:v1", "diskSizeMB": 8})
+    assert too_small.status_code == 400 and "disk size" in too_small.json()["message"]
+    resized = server.client.post("/sandboxes", json={"templateID": "big-disk", "diskSizeMB": 1024})
+    assert resized.status_code == 400 and "booted from an image" in resized.json()["message"]
+    restored = sdk.connect(server.client.post("/sandboxes", json={"templateID": "big-disk"}).json()["sandboxID"])
+    try:  # a snapshot of the larger disk restores with it
+        assert int(restored.commands.run("df -m / | tail -1").stdout.split()[1]) > 450
+    finally:
+        restored.kill()

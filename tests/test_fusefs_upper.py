@@ -200,3 +200,29 @@ def test_failed_publication_stays_queued_and_retries(env: Env) -> None:
     manifest_id = retry.result(5)
     assert up.sealing == [] and len(up.layers) == 1  # the second generation was empty
     assert env.view(manifest_id).read(5, 4) == b"keep"
+
+
+def test_a_disk_larger_than_its_image_reads_zeros_past_it_and_seals_whole(env: Env) -> None:
+    """The image ends mid-chunk (`tail`): the rest of that chunk and all
+    past it read as zeros, are writable, and a seal keeps the larger size."""
+    base_size = len(env.content)
+    up = UpperLayer.create(env.tmp / "uppers" / "big", env.view(env.base_id), relower=env.view,
+                           size=base_size + 5 * CS)
+    assert up.size == base_size + 5 * CS
+    assert up.read(0, up.size) == env.content + bytes(5 * CS)
+    up.write(base_size - 2, b"across-the-old-end")
+    up.write(up.size - 4, b"last")
+    expected = bytearray(env.content + bytes(5 * CS))
+    expected[base_size - 2:base_size + 16] = b"across-the-old-end"
+    expected[-4:] = b"last"
+    assert up.read(0, up.size) == bytes(expected)
+    sealed = up.seal(env.publish, run_now).result(5)
+    assert env.store.get_layer(sealed).size == up.size
+    env.store.set_ref("big:v1", sealed)
+    export_image(env.store, "big:v1", env.tmp / "big.img")
+    assert (env.tmp / "big.img").read_bytes() == bytes(expected)
+    again = UpperLayer.create(env.tmp / "uppers" / "again", env.view(sealed), relower=env.view)
+    assert again.size == up.size and again.read(0, again.size) == bytes(expected)
+    for bad in (base_size - 1, 1 << 60):
+        with pytest.raises(InvalidInput, match="disk size"):
+            UpperLayer.create(env.tmp / "uppers" / f"bad{bad}", env.view(env.base_id), relower=env.view, size=bad)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fusefs.cli import mount_option
-from layerstore.cli import StoreContext, human_bytes
+from layerstore.cli import StoreContext, human_bytes, parse_size
 from layerstore.errors import InvalidInput, StrataError
 
 from .backend import BACKENDS
@@ -56,7 +56,7 @@ def cmd_boot(args: argparse.Namespace, ctx: NodeContext) -> int:
         raise InvalidInput(f"no guest kernel in {node.guest_dir}: build one with `bash {GUEST_BUILD} "
                            f"{node.guest_dir}` (or run `strata sandbox demo`)")
     with out.status(f"booting {args.image}"):
-        sb = node.boot(args.image, sid=args.id, memory_mib=args.memory)
+        sb = node.boot(args.image, sid=args.id, memory_mib=args.memory, disk_size=args.disk_size)
     out.result(_row(sb), f"{sb.sid} running ({args.image}, booted in {sb.timings['boot']:.1f} s)")
     return 0
 
@@ -235,6 +235,8 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("image", metavar="NAME:TAG")
     p.add_argument("--id", metavar="SID", help="sandbox id (default: a random one)")
     p.add_argument("--memory", type=int, metavar="MIB", help="guest memory (default 256)")
+    p.add_argument("--disk-size", type=parse_size, metavar="SIZE",
+                   help="a disk larger than the image (e.g. 4G); the guest's root filesystem grows into it")
     p.set_defaults(func=cmd_boot)
     p = sv.add_parser("restore", parents=parents, help="start a new sandbox from a snapshot (lazily loaded)")
     p.add_argument("snapshot", metavar="SNAPSHOT_ID")

@@ -278,9 +278,11 @@ class Sandboxes:
         return Sandbox(record, vm, work)
 
     def boot(self, image: str, *, sid: str | None = None, memory_mib: int | None = None,
-             metadata: dict[str, str] | None = None, **lifetime: object) -> Sandbox:
+             metadata: dict[str, str] | None = None, disk_size: int | None = None, **lifetime: object) -> Sandbox:
         """A new sandbox: a copy-on-write disk over `image` (NAME:TAG), booted;
-        returns once the guest agent answers."""
+        returns once the guest agent answers. `disk_size` bytes make the disk
+        larger than the image; the guest agent grows the root filesystem
+        into it at boot."""
         ref = parse_ref(image)
         self.store.resolve(ref)  # unknown image: NotFound before anything is created
         sid = self._new_sid(sid)
@@ -295,7 +297,7 @@ class Sandboxes:
                 kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
                 disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work, memory_mib=memory,
                 cmdline=DEFAULT_CMDLINE, memory_file=self._memory_path(sid)),
-                {"image": str(ref)}, self._zero_memory(memory))
+                {"image": str(ref), **({"size": disk_size} if disk_size else {})}, self._zero_memory(memory))
 
     def reboot_on_disk(self, sid: str, reason: str) -> Sandbox:
         """Cold-boot a sandbox whose VM lost its files (the mount daemon died):

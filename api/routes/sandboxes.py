@@ -22,7 +22,7 @@ NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
 def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: CallerDep) -> m.Sandbox:
     with vmm_timing(node, response):
         record = node.create(caller, body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
-                             metadata=body.metadata, env=body.envVars)
+                             metadata=body.metadata, env=body.envVars, disk_mb=body.diskSizeMB)
     return m.Sandbox.of(record)
 
 

@@ -70,7 +70,12 @@ func main() {
 		_ = os.Chdir("/")
 	}
 	if port == "" {
-		port = waitPort(log)
+		port = waitPort(log) // sysfs is up once the port shows
+		if root != "" {
+			if did := growRoot("vda"); did != "" {
+				log("%s", did)
+			}
+		}
 	}
 	f, err := os.OpenFile(port, os.O_RDWR, 0)
 	if err != nil {
