@@ -26,6 +26,7 @@ from . import errors
 from .deps import KEY_HEADER
 from .node import Node
 from .routes import ROUTERS
+from .routes.builds import is_upload
 from .routes.envd import is_data_plane
 from .teams import caller_of
 
@@ -61,7 +62,8 @@ async def _key_first(request: Request, call_next: Callable[[Request], Awaitable[
     an anonymous client gets 401, never a parse error, and cannot make the
     node buffer what it sends. (The routes' own dependencies check again,
     and tell admin keys apart.)"""
-    if (request.method, request.url.path) not in OPEN and not is_data_plane(request.url.path):
+    path = request.url.path
+    if (request.method, path) not in OPEN and not is_data_plane(path) and not is_upload(request.method, path):
         given = request.headers.get(KEY_HEADER.model.name)
         if caller_of(given, request.app.state.node.config) is None:
             return errors.error_response(401, "missing or invalid X-API-Key")

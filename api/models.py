@@ -164,6 +164,67 @@ class SandboxLogsV2(Reply):
     logs: list[SandboxLogEntry]
 
 
+# --- E2B template builds (api/builds.py) ----------------------------------------
+class TemplateBuildRequestV3(Lenient):
+    name: str | None = Field(None, description="template name (NAME or NAME:TAG; the tag is ignored)")
+    alias: str | None = Field(None, description="deprecated name")
+    tags: list[str] | None = None
+    cpuCount: int | None = None
+    memoryMB: int | None = None
+    minFreeDiskMb: int | None = None
+
+
+class TemplateRequestResponseV3(Reply):
+    templateID: str
+    buildID: str
+    public: bool = False
+    names: list[str]
+    tags: list[str]
+    aliases: list[str]
+
+
+class TemplateBuildFileUpload(Reply):
+    present: bool
+    url: str | None = None
+
+
+class TemplateStep(Lenient):
+    type: str
+    args: list[str] = Field(default_factory=list)
+    filesHash: str | None = None
+    force: bool | None = None
+
+
+class TemplateBuildStartV2(Lenient):
+    fromImage: str | None = None
+    fromTemplate: str | None = None
+    steps: list[TemplateStep] = Field(default_factory=list)
+    startCmd: str | None = None
+    readyCmd: str | None = None
+    force: bool | None = None
+
+
+class BuildLogEntry(Reply):
+    timestamp: datetime
+    level: Literal["debug", "info", "warn", "error"]
+    message: str
+    step: str | SkipJsonSchema[None] = None  # omitted, not null (the route excludes None)
+
+
+class BuildStatusReason(Reply):
+    message: str
+    step: str | SkipJsonSchema[None] = None
+
+
+class TemplateBuildInfo(Reply):
+    templateID: str
+    buildID: str
+    status: Literal["building", "waiting", "ready", "error"]
+    logs: list[str]
+    logEntries: list[BuildLogEntry]
+    reason: BuildStatusReason | SkipJsonSchema[None] = None  # omitted while there is none
+
+
 class SandboxTimeoutRequest(Lenient):
     timeout: int = Field(description="seconds from now; replaces the TTL")
 

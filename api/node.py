@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fusefs.protocol import MountStats
@@ -45,6 +45,7 @@ from vmm.sandbox import MAX_FORKS, Sandboxes
 
 from . import listing
 from . import models as m
+from .builds import BUILD_KEY, Builds
 from .catalog import Catalog
 from .errors import Capacity
 from .maintenance import Maintenance
@@ -67,6 +68,7 @@ class Source:
     template: str  # the templateID the client used
     kind: str  # image | snapshot
     target: str
+    process: dict = field(default_factory=dict)  # the template's process defaults (env, cwd, user)
 
 
 class Node:
@@ -87,6 +89,7 @@ class Node:
         self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
         self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: POOL_KEY in r.metadata)
         self.watchers = Watchers()
+        self.builds = Builds(self, Path(config.state_dir) / "template-files")
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
@@ -95,6 +98,10 @@ class Node:
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
         for record in self.boxes.registry.all():
+            if BUILD_KEY in record.metadata:  # a build the restart interrupted: it is forgotten
+                log.info("removing %s, the sandbox of an interrupted template build", record.sid)
+                self._quietly(self.boxes.kill, record.sid)
+                continue
             template = record.metadata.get(POOL_KEY)
             if template is not None and template not in self.config.warm_pool:
                 log.info("warm pool %s is no longer configured: removing %s", template, record.sid)
@@ -255,7 +262,7 @@ class Node:
             raise NotFound(f"template {template_id!r} not found") from None
         template = self.store.get_template(template_id)
         caller.check_sees(template.owner, f"template {template_id} not found in {self.store.describe()}")
-        return Source(template_id, template.kind, template.target)
+        return Source(template_id, template.kind, template.target, template.process)
 
     def record(self, sid: str, caller: Caller = ADMIN) -> SandboxRecord:
         """The client-visible sandbox `sid` (ids that cannot exist, and
@@ -266,7 +273,7 @@ class Node:
             raise NotFound(f"sandbox {sid!r} not found") from None
         except NotFound:
             raise NotFound(f"sandbox {sid} not found") from None
-        if POOL_KEY in record.metadata:
+        if POOL_KEY in record.metadata or BUILD_KEY in record.metadata:
             raise NotFound(f"sandbox {sid} not found")
         caller.check_sees(record.team, f"sandbox {sid} not found")
         return record
@@ -299,7 +306,8 @@ class Node:
                       log=lambda level, message: self.boxes.log_event(sid, level, message))
 
     def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
-        return [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata and caller.sees(r.team)]
+        return [r for r in self.boxes.registry.all()
+                if POOL_KEY not in r.metadata and BUILD_KEY not in r.metadata and caller.sees(r.team)]
 
     @contextmanager
     def _capacity(self, sids: list[str], caller: Caller = ADMIN) -> Iterator[None]:
@@ -327,13 +335,18 @@ class Node:
                disk_mb: int | None = None) -> SandboxRecord:
         lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
                     "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token()}
+        defaults = source.process  # a built template's ENV/WORKDIR/USER, over an image's config
         if source.kind == "image":  # the image config (an OCI import's) applies to every process
             runtime = runtime_of(self.store.stack(self.store.resolve(source.target))[0].annotations)
-            lifetime.update(env={**runtime.env, **(env or {})}, cwd=runtime.cwd, user=runtime.user)
+            defaults = {"env": {**runtime.env, **defaults.get("env", {})}, "cwd": defaults.get("cwd") or runtime.cwd,
+                        "user": defaults.get("user") or runtime.user}
+        lifetime.update(env={**defaults.get("env", {}), **(env or {})}, cwd=defaults.get("cwd", ""),
+                        user=defaults.get("user", ""))
+        if source.kind != "image" and disk_mb:
+            raise InvalidInput("diskSizeMB applies to sandboxes booted from an image, not restored from a snapshot")
+        if source.kind == "image":
             if disk_mb:
                 lifetime["disk_size"] = disk_mb << 20
-        elif disk_mb:
-            raise InvalidInput("diskSizeMB applies to sandboxes booted from an image, not restored from a snapshot")
             with self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
                                        metadata=metadata, **lifetime).record
@@ -358,7 +371,7 @@ class Node:
                 self.metrics.pool_hits.inc()
                 return self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
                                          end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
-                                         env=env or {}, access_token=new_token())
+                                         env={**pooled.env, **(env or {})}, access_token=new_token())
             return self._start(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
                                team=caller.team, env=env, disk_mb=disk_mb)
 

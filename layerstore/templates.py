@@ -4,7 +4,9 @@ A template names either an image (a `NAME:TAG` ref: a sandbox boots it) or a
 snapshot (a sandbox restores it, already running). It is a small JSON object:
 
     templates/<NAME>     {"kind": "image" | "snapshot", "target": "<ref or id>",
-                          "created": <unix seconds>, "owner": "<team>" (optional)}
+                          "created": <unix seconds>, "owner": "<team>" (optional),
+                          "process": {"env": {..}, "cwd": "..", "user": ".."} (optional:
+                          what every process of a sandbox made from it starts with)}
 
 Template names follow the ref alphabet (letter or digit first, then letters,
 digits, '.', '_', '-'; at most 128), so they are safe as object keys. GC
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .digest import check_digest
 from .errors import CorruptObject, InvalidInput
@@ -33,6 +35,7 @@ class Template:
     target: str
     created: float
     owner: str = ""  # an opaque label (the API's team); "" = nobody in particular
+    process: dict = field(default_factory=dict)  # {"env": {}, "cwd": "", "user": ""}: a build's ENV/WORKDIR/USER
 
     @property
     def key(self) -> str:
@@ -42,6 +45,8 @@ class Template:
         body: dict[str, object] = {"kind": self.kind, "target": self.target, "created": self.created}
         if self.owner:
             body["owner"] = self.owner
+        if self.process:
+            body["process"] = self.process
         return json.dumps(body, sort_keys=True).encode()
 
 
@@ -56,7 +61,7 @@ def template_key(name: str) -> str:
     return f"templates/{check_template_name(name)}"
 
 
-def new_template(name: str, kind: str, target: str, *, owner: str = "") -> Template:
+def new_template(name: str, kind: str, target: str, *, owner: str = "", process: dict | None = None) -> Template:
     """A validated template (the target's existence is the store's check)."""
     check_template_name(name)
     if kind == "image":
@@ -65,7 +70,16 @@ def new_template(name: str, kind: str, target: str, *, owner: str = "") -> Templ
         check_digest(target, what="snapshot id")
     else:
         raise InvalidInput(f"template kind {kind!r} is not one of {', '.join(KINDS)}")
-    return Template(name, kind, target, time.time(), owner)
+    return Template(name, kind, target, time.time(), owner, _process(process or {}))
+
+
+def _process(p: object) -> dict:
+    """Checked process defaults: env (str -> str), cwd, user (strings)."""
+    if not isinstance(p, dict) or not isinstance(p.get("env", {}), dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in p.get("env", {}).items()) or not all(
+            isinstance(p.get(k, ""), str) for k in ("cwd", "user")):
+        raise InvalidInput("template process defaults must be {env: {str: str}, cwd: str, user: str}")
+    return {k: p[k] for k in ("env", "cwd", "user") if p.get(k)}
 
 
 def parse_template(name: str, blob: bytes) -> Template:
@@ -75,6 +89,7 @@ def parse_template(name: str, blob: bytes) -> Template:
         owner = data.get("owner", "")
         if not isinstance(owner, str):
             raise TypeError("owner is not a string")
-        return Template(template.name, template.kind, template.target, float(data["created"]), owner)
+        return Template(template.name, template.kind, template.target, float(data["created"]), owner,
+                        _process(data.get("process", {})))
     except (ValueError, KeyError, TypeError, InvalidInput) as exc:
         raise CorruptObject(f"template {name} is malformed: {exc}") from None

@@ -363,3 +363,36 @@ def test_a_disk_larger_than_its_image_is_seen_by_the_guest(sdk: type, server: No
         assert int(restored.commands.run("df -m / | tail -1").stdout.split()[1]) > 450
     finally:
         restored.kill()
+
+
+def test_a_template_built_with_the_sdk_restores_running(sdk: type, server: NodeServer, tmp_path: Path) -> None:
+    """E2B's Template builder against the node: base template, ENV, WORKDIR,
+    COPY (uploaded through the signed URL), RUN, a start command waited for
+    by its ready command; a sandbox from the template restores it running."""
+    from e2b import Template
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "app.sh").write_text("echo built-by-$STAGE\n")
+    template = (Template(file_context_path=str(ctx)).from_template("base")
+                .set_envs({"STAGE": "template"}).set_workdir("/srv/app")
+                .copy("app.sh", "/srv/app/app.sh")
+                .run_cmd("sh app.sh > out.txt")
+                .set_start_cmd("echo started > /tmp/started; sleep 100000", "test -f /tmp/started"))
+    logs: list = []
+    Template.build(template, "built-tpl", on_build_logs=logs.append)
+    assert any("ready" in str(entry.message) for entry in logs), [str(e.message) for e in logs]
+    sbx = sdk.create(template="built-tpl", timeout=300)
+    try:
+        r = sbx.commands.run("cat out.txt; echo $STAGE; pwd; cat /tmp/started; ps | grep -c 'sleep 100000'")
+        lines = r.stdout.split()
+        assert lines[:4] == ["built-by-template", "template", "/srv/app", "started"]
+        assert int(lines[4]) >= 1  # the start command is still running: restored, not booted
+    finally:
+        sbx.kill()
+    failing = Template().from_template("base").run_cmd("exit 7")
+    from e2b import BuildException
+
+    with pytest.raises(BuildException, match="exit status 7"):
+        Template.build(failing, "broken-tpl")
+    assert server.client.get("/v2/sandboxes").json() == []  # build sandboxes are gone

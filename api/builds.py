@@ -1,0 +1,252 @@
+"""E2B-style template builds: boot the base, run the steps, start the start
+command, wait for the ready command, snapshot the running VM. A sandbox
+created from the template then restores that snapshot instead of booting.
+
+    POST /v3/templates                      -> a build, waiting for its steps
+    GET  /templates/{name}/files/{hash}     -> where to PUT a COPY step's tar
+    PUT  /templates/{name}/files/{hash}?token=..   (the tar, from the SDK)
+    POST /v2/templates/{name}/builds/{id}   -> steps; the build runs (thread)
+    GET  /templates/{name}/builds/{id}/status?logsOffset=N  -> status, logs
+
+Steps are E2B's: RUN [cmd, user?], ENV [k, v, ...], WORKDIR [dir],
+USER [name], COPY [src, dest, user?, mode?] + filesHash. The base is
+`fromTemplate` (a template of this node) or `fromImage` (an image NAME:TAG
+in this node's store: nothing is pulled from a registry). ENV, WORKDIR and
+USER become the template's process defaults, so sandboxes from it start
+their processes the same way. Builds live in the node's memory (a restart
+forgets unfinished ones); their logs also go to the build sandbox's event
+log. Uploaded tars are kept under STATE/template-files by content hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
+from layerstore.refs import parse_ref
+from layerstore.templates import check_template_name, new_template
+from vmm.agent import Agent, Exit, output_events
+from vmm.registry import new_sid
+
+if TYPE_CHECKING:
+    from .node import Node, Source
+    from .teams import Caller
+
+log = logging.getLogger("strata.api")
+BUILD_KEY = "strata.build"  # metadata marking a build's sandbox (never listed)
+READY_TIMEOUT = 300.0  # seconds the ready command may take to succeed
+STEP_TIMEOUT = 3600.0
+MAX_LOGS = 10_000
+
+
+@dataclass
+class LogEntry:
+    t: float
+    level: str
+    message: str
+
+
+@dataclass
+class Build:
+    name: str
+    build_id: str
+    team: str
+    status: str = "waiting"  # waiting -> building -> ready | error
+    logs: list[LogEntry] = field(default_factory=list)
+    reason: str = ""
+    step: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def log(self, message: str, level: str = "info") -> None:
+        if len(self.logs) < MAX_LOGS:
+            self.logs.append(LogEntry(time.time(), level, message[:4000]))
+
+
+class Builds:
+    """The node's template builds, by (name, build id)."""
+
+    def __init__(self, node: "Node", files: Path) -> None:
+        self.node = node
+        self.files = files
+        self._secret = secrets.token_bytes(32)  # signs upload URLs (the SDK PUTs without an API key)
+        self._lock = threading.Lock()
+        self._builds: dict[tuple[str, str], Build] = {}
+
+    # requests ------------------------------------------------------------------------
+    def request(self, caller: "Caller", name: str) -> Build:
+        """A new build of template `name` (a new name, or one of the caller's: rebuilt)."""
+        base = name.split(":", 1)[0]
+        check_template_name(base)
+        self.node.catalog.check_template_free(caller, base)
+        build = Build(base, secrets.token_hex(8), caller.team)
+        with self._lock:
+            self._builds[(base, build.build_id)] = build
+        return build
+
+    def get(self, caller: "Caller", name: str, build_id: str) -> Build:
+        with self._lock:
+            build = self._builds.get((name, build_id))
+        if build is None or not caller.sees(build.team):
+            raise NotFound(f"build {build_id} of template {name} not found")
+        return build
+
+    def upload_token(self, name: str, files_hash: str) -> str:
+        return hmac.new(self._secret, f"{name}/{files_hash}".encode(), hashlib.sha256).hexdigest()
+
+    def check_upload(self, name: str, files_hash: str, token: str) -> Path:
+        if not (len(files_hash) == 64 and all(c in "0123456789abcdef" for c in files_hash)):
+            raise InvalidInput("files hash must be 64 hex digits")
+        if not hmac.compare_digest(token, self.upload_token(name, files_hash)):
+            raise NotFound("no such upload")
+        return self.files / f"{files_hash}.tar"
+
+    def start(self, caller: "Caller", name: str, build_id: str, spec: dict[str, Any]) -> Build:
+        build = self.get(caller, name, build_id)
+        if build.status != "waiting":
+            raise Conflict(f"build {build_id} already started")
+        steps = spec.get("steps") or []
+        if not isinstance(steps, list) or not all(isinstance(s, dict) and isinstance(s.get("type"), str)
+                                                   for s in steps):
+            raise InvalidInput("steps must be a list of {type, args}")
+        base = self._base(caller, spec)
+        for s in steps:
+            if s["type"] == "COPY" and not (self.files / f"{s.get('filesHash', '')}.tar").exists():
+                raise InvalidInput(f"COPY {s.get('args')}: its files were not uploaded")
+        build.status = "building"
+        threading.Thread(target=self._run, args=(build, base, steps, spec), daemon=True,
+                         name=f"strata-build-{name}").start()
+        return build
+
+    def _base(self, caller: "Caller", spec: dict[str, Any]) -> "Source":
+        if spec.get("fromTemplate"):
+            return self.node.source(str(spec["fromTemplate"]), caller)
+        image = spec.get("fromImage")
+        if not isinstance(image, str) or not image:
+            raise InvalidInput("give fromTemplate or fromImage")
+        try:
+            return self.node.source(str(parse_ref(image)), caller)
+        except NotFound:
+            raise InvalidInput(f"image {image} is not in this node's store (nothing is pulled from registries): "
+                               "import it with `strata image import`") from None
+
+    # the build -------------------------------------------------------------------------
+    def _run(self, build: Build, base: "Source", steps: list[dict[str, Any]], spec: dict[str, Any]) -> None:
+        """The build, on its own thread; its sandbox is gone before the status says it ended."""
+        sid, status = new_sid(), "error"
+        try:
+            self._build(build, sid, base, steps, spec)
+            status = "ready"
+        except (StrataError, OSError, ValueError) as exc:
+            build.reason = str(exc)
+            build.log(f"build failed: {exc}", "error")
+        finally:
+            try:
+                self.node.boxes.kill(sid)
+            except StrataError:
+                pass
+            build.status = status
+
+    def _build(self, build: Build, sid: str, base: "Source", steps: list[dict[str, Any]],
+               spec: dict[str, Any]) -> None:
+        started = time.monotonic()
+        build.log(f"booting {base.template} as {sid}")
+        record = self.node._start(base, sid=sid, metadata={BUILD_KEY: build.build_id}, timeout=None,
+                                  auto_pause=False, team=build.team)
+        build.timings["boot"] = time.monotonic() - started
+        agent = self.node.boxes.agent(sid)
+        state = {"env": dict(record.env), "cwd": record.cwd, "user": record.user}
+        for n, step in enumerate(steps, 1):
+            build.step = str(n)
+            self._step(build, agent, step, state)
+        build.timings["steps"] = time.monotonic() - started - build.timings["boot"]
+        self._start_and_wait(build, agent, spec, state)
+        mark = time.monotonic()
+        build.log("snapshotting the running sandbox")
+        snapshot_id = self.node.boxes.snapshot(sid)
+        build.timings["snapshot"] = time.monotonic() - mark
+        self.node.store.put_template(new_template(build.name, "snapshot", snapshot_id, owner=build.team,
+                                                  process=state))
+        build.log(f"template {build.name} ready: snapshot {snapshot_id} (boot {build.timings['boot']:.1f} s, "
+                  f"steps {build.timings['steps']:.1f} s, start {build.timings.get('start', 0):.1f} s, "
+                  f"snapshot {build.timings['snapshot']:.1f} s)")
+
+    def _step(self, build: Build, agent: Agent, step: dict[str, Any], state: dict[str, Any]) -> None:
+        kind, args = step["type"], [str(a) for a in step.get("args") or []]
+        build.log(f"step {build.step}: {kind} {' '.join(args)[:300]}")
+        if kind == "RUN" and args:
+            self._run_command(build, agent, args[0], state, user=args[1] if len(args) > 1 and args[1] else "")
+        elif kind == "ENV":
+            state["env"].update(dict(zip(args[::2], args[1::2])))
+        elif kind == "WORKDIR" and args:
+            try:
+                agent.make_dir(args[0], user=state["user"])
+            except StrataError as exc:
+                if getattr(exc, "code", "") != "exists":
+                    raise
+            state["cwd"] = args[0]
+        elif kind == "USER" and args:
+            state["user"] = args[0]
+        elif kind == "COPY" and len(args) >= 2:
+            self._copy(agent, self.files / f"{step.get('filesHash', '')}.tar", args, state)
+        else:
+            raise InvalidInput(f"step {build.step}: {kind} {args} is not a step this node runs")
+
+    def _run_command(self, build: Build, agent: Agent, command: str, state: dict[str, Any], *,
+                     user: str = "", timeout: float = STEP_TIMEOUT) -> int:
+        _, stream = agent.start("/bin/sh", ["-c", command], env=state["env"], cwd=state["cwd"],
+                                user=user or state["user"], merge=True)
+        line = b""
+        for ev in output_events(stream, time.monotonic() + timeout):
+            if isinstance(ev, Exit):
+                if line:
+                    build.log(line.decode("utf-8", "replace"))
+                if ev.code != 0:
+                    raise StrataError(f"step {build.step}: `{command[:200]}` failed ({ev.status})")
+                return ev.code
+            *done, line = (line + ev.data).split(b"\n")
+            for d in done:
+                build.log(d.decode("utf-8", "replace"))
+        return 0
+
+    def _copy(self, agent: Agent, tar_path: Path, args: list[str], state: dict[str, Any]) -> None:
+        src, dest = args[0].rstrip("/"), args[1]
+        user = args[2] if len(args) > 2 and args[2] else state["user"]
+        with tarfile.open(tar_path) as tar:
+            for member in tar:
+                name = member.name.lstrip("./")
+                if not member.isfile():
+                    continue
+                if name == src:
+                    target = dest.rstrip("/") + "/" + Path(name).name if dest.endswith("/") else dest
+                elif src in ("", ".") or name.startswith(src + "/"):
+                    target = dest.rstrip("/") + "/" + name[len(src):].lstrip("/")
+                else:
+                    continue
+                data = tar.extractfile(member)
+                agent.write_file(target, iter(lambda: data.read(1 << 20), b"") if data else [b""], user=user)
+                mode = args[3] if len(args) > 3 and args[3] else oct(member.mode & 0o7777)[2:]
+                agent.run(f"chmod {int(mode, 8):o} '{target}'", timeout=60)
+
+    def _start_and_wait(self, build: Build, agent: Agent, spec: dict[str, Any], state: dict[str, Any]) -> None:
+        start_cmd, ready_cmd = spec.get("startCmd"), spec.get("readyCmd")
+        mark = time.monotonic()
+        if start_cmd:
+            build.log(f"start command: {start_cmd}")
+            agent.start("/bin/sh", ["-c", str(start_cmd)], env=state["env"], cwd=state["cwd"], user=state["user"])
+        if ready_cmd:
+            build.log(f"waiting for: {ready_cmd}")
+            deadline = time.monotonic() + READY_TIMEOUT
+            while agent.run(str(ready_cmd), timeout=60, env=state["env"]).exit_code != 0:
+                if time.monotonic() > deadline:
+                    raise StrataError(f"the ready command did not succeed within {READY_TIMEOUT:.0f} s")
+                time.sleep(0.5)
+        build.timings["start"] = time.monotonic() - mark
