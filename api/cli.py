@@ -28,7 +28,7 @@ from layerstore.cli import EXIT_FAILED, Output
 from layerstore.config import NodeConfig
 from layerstore.errors import StrataError
 
-from . import server
+from . import build_cli, server
 from .compose import NodeContext
 
 # Flags that override a setting of the same name (argparse dest == NodeConfig field).
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     fusefs.cli.register(nouns, verbs, common)
     vmm.cli.register(nouns, common)
     server.register(nouns, common)
+    build_cli.register(verbs, common)
     return parser
 
 

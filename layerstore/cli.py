@@ -66,6 +66,11 @@ class Output:
         else:
             sys.stdout.write((text() if callable(text) else text) + "\n")
 
+    def note(self, text: str) -> None:
+        """A line of what long work is doing (a build's log), on stderr; nothing with --json."""
+        if not self.json_mode:
+            sys.stderr.write(text + "\n")
+
     @contextlib.contextmanager
     def progress(self, description: str) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
         """Yield (advance, set_total) callbacks driving a rich progress bar (or nothing)."""
@@ -397,7 +402,7 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
     verbs = image.add_subparsers(dest="verb", metavar="VERB", required=True)
     _image_verbs(verbs, common)
     _snapshot_verbs(nouns, common)
-    _template_verbs(nouns, common)
+    template_verbs = _template_verbs(nouns, common)
     _copy_verbs(nouns, common)
     p = nouns.add_parser("gc", parents=[common], help="delete chunks and manifests no ref, template or snapshot reaches")
     p.add_argument("--grace", default="24h", help="never delete anything younger (default 24h)")
@@ -406,7 +411,7 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
     p = nouns.add_parser("verify", parents=[common], help="re-hash every chunk; report corrupt or missing ones")
     p.add_argument("--workers", type=int, default=None)
     p.set_defaults(func=cmd_verify)
-    return {"image": verbs}
+    return {"image": verbs, "template": template_verbs}
 
 
 def _image_verbs(verbs: Any, common: argparse.ArgumentParser) -> None:
@@ -455,7 +460,7 @@ def _snapshot_verbs(nouns: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_snapshot_rm)
 
 
-def _template_verbs(nouns: Any, common: argparse.ArgumentParser) -> None:
+def _template_verbs(nouns: Any, common: argparse.ArgumentParser) -> Any:
     template = nouns.add_parser("template", help="names sandboxes are created from (an image or a snapshot)")
     verbs = template.add_subparsers(dest="verb", metavar="VERB", required=True)
     p = verbs.add_parser("ls", parents=[common], help="list templates")
@@ -469,6 +474,7 @@ def _template_verbs(nouns: Any, common: argparse.ArgumentParser) -> None:
     p = verbs.add_parser("rm", parents=[common], help="remove a template (what it names stays)")
     p.add_argument("name", metavar="NAME")
     p.set_defaults(func=cmd_template_rm)
+    return verbs
 
 
 def _copy_verbs(nouns: Any, common: argparse.ArgumentParser) -> None:

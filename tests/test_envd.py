@@ -396,3 +396,22 @@ def test_a_template_built_with_the_sdk_restores_running(sdk: type, server: NodeS
     with pytest.raises(BuildException, match="exit status 7"):
         Template.build(failing, "broken-tpl")
     assert server.client.get("/v2/sandboxes").json() == []  # build sandboxes are gone
+
+
+def test_template_build_on_the_command_line(sdk: type, server: NodeServer, tmp_path: Path) -> None:
+    (tmp_path / "f.txt").write_text("copied")
+    built = json.loads(server.strata(
+        "template", "build", "cli-tpl", "--from", "guest:v1", "--env", "K=v", "--workdir", "/opt",
+        "--copy", f"{tmp_path / 'f.txt'}:/opt/f.txt", "--run", "cat f.txt > g.txt", "--start", "sleep 100000",
+        "--ready", "true", "--json").stdout)
+    assert built["template"] == "cli-tpl" and {"boot", "steps", "start", "snapshot"} <= set(built["timings"])
+    assert "cli-tpl" in server.strata("template", "ls").stdout
+    sbx = sdk.create(template="cli-tpl", timeout=300)
+    try:
+        assert sbx.commands.run("cat g.txt; echo; echo $K; pwd").stdout == "copied\nv\n/opt\n"
+    finally:
+        sbx.kill()
+    failed = subprocess.run([str(ROOT / ".venv/bin/strata"), "template", "build", "bad-tpl", "--from", "guest:v1",
+                             "--run", "exit 3"], env=server.env, capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0 and failed.stderr.strip().splitlines()[-1].startswith("strata: error: template")
+    assert "exit status 3" in failed.stderr

@@ -1,0 +1,97 @@
+"""`strata template build`: an E2B-style template build (api/builds.py) from
+the command line, on this node, with its log shown as it runs.
+
+    strata template build NAME --from BASE [--env K=V] [--workdir DIR] [--user U]
+        [--copy SRC:DEST] [--run CMD] ... [--start CMD --ready CMD]
+
+Steps run in the order given. BASE is a template or an image NAME:TAG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from layerstore.errors import InvalidInput, StrataError
+
+from .compose import NodeContext
+from .teams import ADMIN
+
+
+class _Step(argparse.Action):
+    """Keeps --env/--workdir/--user/--copy/--run in the order given."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any,
+                 option: str | None = None) -> None:
+        ns.steps = [*(getattr(ns, "steps", None) or []), (self.dest, value)]
+
+
+def register(verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
+    p = verbs["template"].add_parser("build", parents=[common],
+                                     help="build a template: boot BASE, run steps, start/ready command, snapshot")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--from", dest="base", required=True, metavar="BASE", help="a template or an image NAME:TAG")
+    for flag, dest, what in (("--env", "ENV", "K=V for the steps and every later process"),
+                             ("--workdir", "WORKDIR", "directory for the steps and later processes"),
+                             ("--user", "USER", "user for the steps and later processes"),
+                             ("--copy", "COPY", "SRC:DEST, a local file or directory into the sandbox"),
+                             ("--run", "RUN", "a shell command (repeatable, in order)")):
+        p.add_argument(flag, dest=dest, action=_Step, metavar=dest, help=what)
+    p.add_argument("--start", metavar="CMD", help="left running in the template's snapshot")
+    p.add_argument("--ready", metavar="CMD", help="polled until it succeeds before the snapshot")
+    p.set_defaults(func=cmd_template_build, steps=[])
+
+
+def cmd_template_build(args: argparse.Namespace, ctx: NodeContext) -> int:
+    node = ctx.node()
+    build = node.builds.request(ADMIN, args.name)
+    steps = [_step(node.builds.files, kind, value) for kind, value in args.steps]
+    base = {"fromImage": args.base} if ":" in args.base else {"fromTemplate": args.base}
+    node.builds.start(ADMIN, build.name, build.build_id,
+                      {**base, "steps": steps, "startCmd": args.start, "readyCmd": args.ready})
+    shown = 0
+    while build.status in ("waiting", "building"):
+        shown = _show(ctx, build, shown)
+        time.sleep(0.2)
+    _show(ctx, build, shown)
+    if build.status != "ready":
+        raise StrataError(f"template {build.name}: {build.reason}")
+    ctx.out.result({"template": build.name, "build": build.build_id, "timings": build.timings},
+                   f"template {build.name} built ({', '.join(f'{k} {v:.1f} s' for k, v in build.timings.items())})")
+    return 0
+
+
+def _show(ctx: NodeContext, build: Any, shown: int) -> int:
+    for entry in build.logs[shown:]:
+        ctx.out.note(entry.message)
+    return len(build.logs)
+
+
+def _step(files: Path, kind: str, value: str) -> dict[str, Any]:
+    if kind == "ENV":
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise InvalidInput(f"--env {value!r}: give K=V")
+        return {"type": "ENV", "args": [key, val]}
+    if kind == "COPY":
+        src, sep, dest = value.partition(":")
+        if not sep or not Path(src).exists():
+            raise InvalidInput(f"--copy {value!r}: give SRC:DEST with an existing local SRC")
+        return {"type": "COPY", "args": [Path(src).name, dest], "filesHash": _pack(files, Path(src))}
+    return {"type": kind, "args": [value]}
+
+
+def _pack(files: Path, src: Path) -> str:
+    """Tar `src` (named by its base name, as the SDK's context-relative
+    paths are) into the build files, by content hash."""
+    files.mkdir(parents=True, exist_ok=True)
+    part = files / f"cli-{time.time_ns()}.part"
+    with tarfile.open(part, "w") as tar:
+        tar.add(src, arcname=src.name)
+    digest = hashlib.sha256(part.read_bytes()).hexdigest()
+    part.replace(files / f"{digest}.tar")
+    return digest
