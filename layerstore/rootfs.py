@@ -298,7 +298,22 @@ def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: in
     chains = chain_ids(image)
     try:
         os.chmod(build, 0o700)  # device nodes and setuid files live here until mkfs
-        disk, limits = build / "rootfs.ext4", Limits(max_bytes=max_bytes)
+        disk = build / "rootfs.ext4"
+        _build_disk(store, image, chains, build, disk, Limits(max_bytes=max_bytes), size)
+        notes = {"source": path.name, "format": "oci", **image.runtime()}
+        result = import_image(store, disk, ref, annotations=notes, **import_options)
+        if len(chains) == len(image.layers):
+            store.set_ref(chain_ref(chains[-1]), result.manifest_id)
+        return result
+    finally:
+        image.source.close()
+        shutil.rmtree(build, ignore_errors=True)
+
+
+def _build_disk(store: Store, image: Image, chains: list[str], build: Path, disk: Path, limits: Limits,
+                size: int | None) -> None:
+    """The ext4 disk of all the image's layers, on the longest known prefix's disk if any."""
+    try:
         known = _known_prefix(store, chains) if size is None else 0
         if known:
             export_image(store, chain_ref(chains[known - 1]), disk)
@@ -311,14 +326,9 @@ def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: in
         else:
             apply_layers(image, build / "root", limits=limits)
             make_ext4(build / "root", disk, size=size)
-        notes = {"source": path.name, "format": "oci", **image.runtime()}
-        result = import_image(store, disk, ref, annotations=notes, **import_options)
-        if len(chains) == len(image.layers):
-            store.set_ref(chain_ref(chains[-1]), result.manifest_id)
-        return result
-    finally:
-        image.source.close()
-        shutil.rmtree(build, ignore_errors=True)
+    except OSError as exc:
+        raise StrataError(f"building the disk in {build.parent} failed: {exc.strerror or exc} (it needs room "
+                          "for the unpacked layers and the disk made of them)") from None
 
 
 def _layers_bytes(image: Image, skip: int) -> int:

@@ -453,3 +453,82 @@ def test_a_debian_image_from_mmdebstrap_boots_and_runs_python(sdk: type, server:
         assert sbx.commands.run("id -un; pwd").stdout == "root\n/root\n"
     finally:
         sbx.kill()
+
+
+@pytest.mark.slow
+def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_path: Path) -> None:
+    """The Debian image padded with 1.5 GiB of real files (1.9 GiB disk) on a
+    node whose state (chunk cache, upper layers, sandboxes) sits on a 768 MiB
+    loop-mounted ext4: the guest reads every padding byte (checked by hash),
+    writes, pauses and resumes, and the cache never passes its 192 MiB cap."""
+    import hashlib
+    import threading
+
+    import blake3
+
+    from tests.oci_images import layer, write_oci
+
+    small = tmp_path / "small.ext4"
+    with open(small, "wb") as f:
+        f.truncate(768 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(small)], check=True)
+    state = tmp_path / "state-on-small-disk"
+    state.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(small), str(state)], check=True)
+    srv = NodeServer(tmp_path, guest, STRATA_STATE_DIR=str(state), STRATA_CACHE_SIZE="192M")
+    try:
+        pad = [blake3.blake3(i.to_bytes(4, "little")).digest(length=64 << 20) for i in range(24)]  # 1.5 GiB
+        want = hashlib.sha256(b"".join(pad)).hexdigest()
+        padding = layer([("dir", "pad"), *[("file", f"pad/{i:02d}", p) for i, p in enumerate(pad)]], compress=False)
+        del pad
+        config = {"architecture": "amd64", "os": "linux", "config": {"Env": ["PATH=/usr/bin:/bin"]}}
+        archive = write_oci(tmp_path / "big", [debian_rootfs().read_bytes(), padding], config=config)
+        del padding
+        # imported where there is room to unpack it (a build machine, say); the node only serves it
+        subprocess.run([str(ROOT / ".venv/bin/strata"), "image", "import", str(archive), "bigdeb:v1"],
+                       env={**srv.env, "STRATA_STATE_DIR": str(tmp_path / "build-state")}, check=True,
+                       capture_output=True, timeout=900)
+        shutil.rmtree(tmp_path / "big")
+        disk = json.loads(srv.strata("image", "inspect", "--json", "bigdeb:v1").stdout)["size"]
+        assert disk > 2 * os.statvfs(state).f_blocks * os.statvfs(state).f_frsize  # the image dwarfs the node's disk
+        srv.start()
+        peak, done = [0], threading.Event()
+
+        def watch_cache() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], srv.client.get("/cache").json()["size"])
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=watch_cache, daemon=True)
+        watcher.start()
+        r = srv.client.post("/sandboxes", json={"templateID": "bigdeb:v1", "timeout": 900})
+        assert r.status_code == 201, r.text
+        sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+        os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=API_KEY)
+        from e2b import Sandbox
+
+        sbx = Sandbox.connect(sid)
+        started = time.monotonic()
+        got = sbx.commands.run("cat /pad/* | sha256sum", timeout=900).stdout.split()[0]
+        took = time.monotonic() - started
+        assert got == want
+        sbx.files.write("/root/written", "after reading it all")
+        sbx.commands.run("sync")
+        assert sbx.pause() is True
+        sbx = Sandbox.connect(sid, timeout=600)
+        assert sbx.files.read("/root/written") == "after reading it all"
+        assert sbx.commands.run("head -c 1000 /pad/23 | wc -c").stdout.strip() == "1000"
+        done.set()
+        watcher.join()
+        assert 0 < peak[0] <= 192 << 20, peak[0]
+        print(f"disk {disk >> 20} MiB on a {os.statvfs(state).f_blocks * os.statvfs(state).f_frsize >> 20} MiB "
+              f"state fs; 1536 MiB read and hashed in the guest in {took:.1f} s; cache peak {peak[0] >> 20} MiB")
+        assert token  # the data plane was used with the sandbox's own token
+        sbx.kill()
+    finally:
+        srv.stop()
+        subprocess.run([str(ROOT / ".venv/bin/strata"), "sandbox", "kill", "--all"], env=srv.env,
+                       capture_output=True, timeout=300)
+        subprocess.run([str(ROOT / ".venv/bin/strata"), "umount", str(state / "mnt")], env=srv.env,
+                       capture_output=True, timeout=60)
+        subprocess.run(["umount", str(state)], capture_output=True)
