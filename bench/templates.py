@@ -1,7 +1,8 @@
 """E2B-style templates, measured: a template build split into boot, steps,
 start/ready command and snapshot; then sandbox creation from the built
 template (a restore of the running VM) with a cold chunk cache (after
-POST /admin/cache/drop) and a warm one, next to a boot of the same image.
+POST /admin/cache/drop) and a warm one, next to a boot of the same image;
+and what the first build and a rebuild with the same steps add to the store.
 
     .venv/bin/python bench/templates.py [--runs 5] [--json FILE]
 
@@ -50,11 +51,17 @@ def main() -> int:
         try:
             srv.strata("image", "import", str(args.guest / "rootfs.ext4"), "guest:v1")
             srv.start()
-            built = json.loads(srv.strata(
-                "template", "build", "bench", "--from", "guest:v1", "--env", "STAGE=bench",
-                "--run", "head -c 8000000 /dev/urandom > /root/data; sync",
-                "--start", "echo up > /tmp/up; sleep 100000", "--ready", "test -f /tmp/up", "--json").stdout)
+            store_bytes = lambda: sum(f.stat().st_size for f in (Path(tmp) / "store").rglob("*") if f.is_file())
+            steps = ("--from", "guest:v1", "--env", "STAGE=bench", "--run",
+                     "head -c 8000000 /dev/urandom > /root/data; sync", "--start", "echo up > /tmp/up; sleep 100000",
+                     "--ready", "test -f /tmp/up", "--json")
+            before = store_bytes()
+            built = json.loads(srv.strata("template", "build", "bench", *steps).stdout)
             rows["build"] = built["timings"]
+            rows["first build stored (bytes)"] = store_bytes() - before
+            before = store_bytes()
+            srv.strata("template", "build", "bench", *steps)  # the same steps again: a rebuild
+            rows["rebuild stored (bytes)"] = store_bytes() - before
             cold = []
             for _ in range(args.runs):
                 srv.admin.post("/admin/cache/drop").raise_for_status()
