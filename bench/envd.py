@@ -90,30 +90,15 @@ def bench_node(guest: Path, work: Path, runs: int, big: int) -> dict[str, Any]:
 
 
 def bench_agent(guest: Path, work: Path, runs: int, big: int) -> dict[str, Any]:
-    from tests.test_vmm_agent import PtyAgent
+    from tests.test_vmm_agent import agent_on_pty
 
-    import pty
-    import tty
-
-    master, slave = pty.openpty()
-    tty.setraw(master)
-    proc = subprocess.Popen([str(guest / "strata-agent"), "--port", os.ttyname(slave)],
-                            stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    agent = PtyAgent(master)
     rows: dict[str, Any] = {}
-    try:
-        agent.wait_ready(10)
+    with agent_on_pty(guest / "strata-agent") as agent:
         rows["agent-no-vm run(true)"] = timed(lambda: agent.run("true"), runs)
         large = os.urandom(big << 20)
         path = str(work / "large")
         rows[f"agent-no-vm write {big} MiB"] = throughput(lambda: agent.write_file(path, [large]), len(large))
         rows[f"agent-no-vm read {big} MiB"] = throughput(lambda: b"".join(agent.read_file(path)), len(large))
-    finally:
-        agent.close()
-        proc.kill()
-        proc.wait()
-        os.close(master)
-        os.close(slave)
     return rows
 
 

@@ -23,6 +23,7 @@ import time
 import tracemalloc
 import tty
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +68,16 @@ class PtyAgent(Agent):
         return _PtyChannel(os.dup(self.master))
 
 
-@pytest.fixture
-def guest_agent(guest: Path) -> Iterator[PtyAgent]:
-    """The real agent binary serving a pty; yields a host Agent on it."""
+@contextmanager
+def agent_on_pty(binary: Path) -> Iterator[PtyAgent]:
+    """The agent binary serving a pty, and a ready host Agent on it (bench/envd.py uses it too)."""
     master, slave = pty.openpty()
     tty.setraw(master)
-    proc = subprocess.Popen([str(guest / "strata-agent"), "--port", os.ttyname(slave)],
+    proc = subprocess.Popen([str(binary), "--port", os.ttyname(slave)],
                             stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     agent = PtyAgent(master)
-    agent.wait_ready(10)
     try:
+        agent.wait_ready(10)
         yield agent
     finally:
         agent.close()
@@ -84,6 +85,13 @@ def guest_agent(guest: Path) -> Iterator[PtyAgent]:
         proc.wait()
         os.close(master)
         os.close(slave)
+
+
+@pytest.fixture
+def guest_agent(guest: Path) -> Iterator[PtyAgent]:
+    """The real agent binary serving a pty; yields a host Agent on it."""
+    with agent_on_pty(guest / "strata-agent") as agent:
+        yield agent
 
 
 def collect(stream: Any, timeout: float = 20) -> tuple[dict[int, bytes], Exit]:
