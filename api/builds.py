@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import shlex
 import tarfile
 import threading
 import time
@@ -234,7 +235,7 @@ class Builds:
                 data = tar.extractfile(member)
                 agent.write_file(target, iter(lambda: data.read(1 << 20), b"") if data else [b""], user=user)
                 mode = args[3] if len(args) > 3 and args[3] else oct(member.mode & 0o7777)[2:]
-                agent.run(f"chmod {int(mode, 8):o} '{target}'", timeout=60)
+                agent.run(f"chmod {int(mode, 8):o} {shlex.quote(target)}", timeout=60)
 
     def _start_and_wait(self, build: Build, agent: Agent, spec: dict[str, Any], state: dict[str, Any]) -> None:
         start_cmd, ready_cmd = spec.get("startCmd"), spec.get("readyCmd")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 import time
 import zlib
@@ -33,6 +34,7 @@ from ..deps import NodeDep
 from ..envd import Target, entry_info, path_of
 
 router = APIRouter(include_in_schema=False)
+log = logging.getLogger("strata.api")
 PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_HOST = re.compile(r"^49983-([A-Za-z0-9-]{1,64})\.")
 DEFAULT_KEEPALIVE = 50.0  # seconds between keepalive events on a quiet stream (the SDK asks for its own)
@@ -244,12 +246,13 @@ async def download(request: Request, node: NodeDep) -> Response:
 
 
 def _guarded(blocks: Iterator[bytes]) -> Iterator[bytes]:
-    """A file's blocks; a failure midway ends the body early (the client sees
-    a short read, which its Content-Length-free chunked stream reports)."""
+    """A file's blocks; a failure midway aborts the response, so the client
+    sees a broken transfer (no final chunk), never a short file as whole."""
     try:
         yield from blocks
-    except AgentError:
-        return
+    except AgentError as exc:
+        log.warning("a download from a sandbox broke off: %s", exc)
+        raise
 
 
 @router.post("/files")
