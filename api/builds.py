@@ -160,7 +160,7 @@ class Builds:
                spec: dict[str, Any]) -> None:
         started = time.monotonic()
         build.log(f"booting {base.template} as {sid}")
-        record = self.node._start(base, sid=sid, metadata={BUILD_KEY: build.build_id}, timeout=None,
+        record = self.node.start_sandbox(base, sid=sid, metadata={BUILD_KEY: build.build_id}, timeout=None,
                                   auto_pause=False, team=build.team)
         build.timings["boot"] = time.monotonic() - started
         agent = self.node.boxes.agent(sid)

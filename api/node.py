@@ -201,7 +201,7 @@ class Node:
             while not self._stop.is_set() and len(self._pool(template)) < size:
                 try:
                     source = self.source(template)
-                    sb = self._start(source, sid=new_sid(), metadata={POOL_KEY: template}, timeout=None,
+                    sb = self.start_sandbox(source, sid=new_sid(), metadata={POOL_KEY: template}, timeout=None,
                                      auto_pause=False)
                     self.boxes.pause(sb.sid)
                     added += 1
@@ -330,9 +330,12 @@ class Node:
                 for sid in sids:
                     self._reserved.pop(sid, None)
 
-    def _start(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
-               auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
-               disk_mb: int | None = None) -> SandboxRecord:
+    def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
+                      auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
+                      disk_mb: int | None = None) -> SandboxRecord:
+        """Boot or restore `source` as sandbox `sid` with the template's (and
+        image's) process defaults and a fresh access token; no capacity check
+        (create, the warm pool and template builds do their own)."""
         lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
                     "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token()}
         defaults = source.process  # a built template's ENV/WORKDIR/USER, over an image's config
@@ -372,7 +375,7 @@ class Node:
                 return self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
                                          end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
                                          env={**pooled.env, **(env or {})}, access_token=new_token())
-            return self._start(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
+            return self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
                                team=caller.team, env=env, disk_mb=disk_mb)
 
     def kill(self, caller: Caller, sid: str) -> None:
