@@ -365,3 +365,17 @@ def test_requests_in_flight_are_capped(tmp_path: Path) -> None:
         agent.open_stream("stat", path="/")
     streams[0].cancel()
     agent.open_stream("stat", path="/")
+
+
+def test_signalling_a_process_that_just_died_is_not_found_never_an_internal_error(guest_agent: PtyAgent) -> None:
+    """Between a process's death and the agent recording its exit (it waits
+    up to 250 ms for output a leftover child still holds open) a signal finds
+    no process: not_found."""
+    pid, stream = guest_agent.start("/bin/sh", ["-c", "setsid sleep 3 & exec sleep 300"])
+    time.sleep(0.5)  # the setsid child is out of the process group by now
+    guest_agent.signal(pid, 9)
+    time.sleep(0.05)  # dead, its exit not yet recorded: the setsid child keeps stdout open
+    with pytest.raises(GuestRefused) as err:
+        guest_agent.signal(pid, 9)
+    assert err.value.code == "not_found"
+    stream.cancel()

@@ -171,7 +171,7 @@ func (a *Agent) sendError(id uint64, err error) {
 	switch {
 	case errors.As(err, &ce):
 		code = ce.code
-	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, os.ErrNotExist), errors.Is(err, syscall.ESRCH):
 		code = "not_found"
 	case errors.Is(err, os.ErrExist):
 		code = "exists"

@@ -354,10 +354,14 @@ func (ps *Procs) signal(pid, sig int) error {
 	if gone {
 		return fail("not_found", fmt.Sprintf("process %d has already exited", pid))
 	}
-	if syscall.Kill(-pid, syscall.Signal(sig)) != nil {
-		return syscall.Kill(pid, syscall.Signal(sig))
+	err = syscall.Kill(-pid, syscall.Signal(sig))
+	if err != nil {
+		err = syscall.Kill(pid, syscall.Signal(sig))
 	}
-	return nil
+	if err == syscall.ESRCH { // exited, and its exit not recorded yet (reap waits for its output)
+		return fail("not_found", fmt.Sprintf("process %d has already exited", pid))
+	}
+	return err
 }
 
 func (ps *Procs) resize(pid int, size *Size) error {
