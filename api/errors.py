@@ -15,6 +15,7 @@ Errors are `{"code", "message"}` with:
     AgentError               502             the guest agent did not answer or answered nonsense
     AgentTimeout             504             the guest command did not finish in its timeout
     other StrataError        500             e.g. the VMM failed; message says why
+    any other exception      500             a bug: the message names the exception, the log has the traceback
 
 Bad stored data (a corrupt record, manifest or chunk) is never a 500: it
 is CorruptObject, NotFound or MissingChunk, raised where it is read.
@@ -82,8 +83,15 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail))
 
 
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    # Starlette still re-raises it after this answer, so the server logs the traceback
+    return error_response(500, f"internal error ({type(exc).__name__}: {str(exc)[:300]}); the node's log has the "
+                               "traceback")
+
+
 def install(app: FastAPI) -> None:
     """Answer every error of `app` as `{"code", "message"}` with the status above."""
     app.add_exception_handler(StrataError, _strata_error)
     app.add_exception_handler(RequestValidationError, _bad_request)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

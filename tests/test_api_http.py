@@ -39,6 +39,8 @@ class StandIn:
     def create(self, _caller: object, template_id: str, **_: object) -> SandboxRecord:
         if template_id == "full":
             raise Capacity("this node holds 2 sandboxes; the limit is 2")
+        if template_id == "bug":
+            raise OSError(28, "No space left on device")
         self.vmm_seconds = 0.25
         return _record("sb1", time.time())
 
@@ -82,6 +84,14 @@ def test_errors_and_headers(client: TestClient) -> None:
     assert "Server-Timing" not in r.headers
     r = client.post("/sandboxes", json={"templateID": 5})
     assert r.status_code == 400 and r.json()["message"].startswith("invalid request: templateID")
+
+
+def test_an_unexpected_exception_is_a_500_that_names_it() -> None:
+    client = TestClient(create_app(StandIn()), headers={"X-API-Key": KEY}, raise_server_exceptions=False)  # type: ignore[arg-type]
+    r = client.post("/sandboxes", json={"templateID": "bug"})
+    assert r.status_code == 500
+    assert r.json()["message"].startswith("internal error (OSError: [Errno 28] No space left on device)")
+    assert client.get("/health").status_code == 200  # and the service goes on
 
 
 def test_pages(client: TestClient) -> None:

@@ -476,6 +476,7 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
     state.mkdir()
     subprocess.run(["mount", "-o", "loop", str(small), str(state)], check=True)
     srv = NodeServer(tmp_path, guest, STRATA_STATE_DIR=str(state), STRATA_CACHE_SIZE="192M")
+    done = threading.Event()
     try:
         pad = [blake3.blake3(i.to_bytes(4, "little")).digest(length=64 << 20) for i in range(24)]  # 1.5 GiB
         want = hashlib.sha256(b"".join(pad)).hexdigest()
@@ -492,17 +493,19 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
         disk = json.loads(srv.strata("image", "inspect", "--json", "bigdeb:v1").stdout)["size"]
         assert disk > 2 * os.statvfs(state).f_blocks * os.statvfs(state).f_frsize  # the image dwarfs the node's disk
         srv.start()
-        peak, done = [0], threading.Event()
+        peak = [0]
 
         def watch_cache() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], srv.client.get("/cache").json()["size"])
-                time.sleep(0.2)
+            while not done.wait(0.2):
+                try:
+                    peak[0] = max(peak[0], srv.client.get("/cache").json()["size"])
+                except httpx.HTTPError:  # the service stopped under it (a failed test's cleanup)
+                    return
 
         watcher = threading.Thread(target=watch_cache, daemon=True)
         watcher.start()
         r = srv.client.post("/sandboxes", json={"templateID": "bigdeb:v1", "timeout": 900})
-        assert r.status_code == 201, r.text
+        assert r.status_code == 201, (r.text, srv.log.read_text()[-6000:])
         sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
         os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=API_KEY)
         from e2b import Sandbox
@@ -526,6 +529,7 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
         assert token  # the data plane was used with the sandbox's own token
         sbx.kill()
     finally:
+        done.set()
         srv.stop()
         subprocess.run([str(ROOT / ".venv/bin/strata"), "sandbox", "kill", "--all"], env=srv.env,
                        capture_output=True, timeout=300)
