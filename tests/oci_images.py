@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 Entry = tuple  # ("file", name, data, mode, uid, gid) | ("dir", name) | ("symlink", name, target)
@@ -42,27 +43,56 @@ def layer(entries: list[Entry], *, compress: bool = True) -> bytes:
     return gzip.compress(raw, mtime=0) if compress else raw
 
 
-def _sha(data: bytes) -> str:
+def padding_layer(path: Path, blocks: Iterator[tuple[str, bytes]]) -> Path:
+    """An uncompressed layer of big files written to `path` one at a time
+    (a GiB-sized layer never sits in memory): `blocks` yields (name, data)."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in blocks:
+            info = tarfile.TarInfo(name)
+            info.mtime, info.size, info.mode = 1_700_000_000, len(data), 0o644
+            if not data:
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info, io.BytesIO(data) if data else None)
+    return path
+
+
+def _sha(data: bytes | Path) -> str:
+    if isinstance(data, Path):
+        h = hashlib.sha256()
+        with open(data, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        return h.hexdigest()
     return hashlib.sha256(data).hexdigest()
+
+
+def _size(data: bytes | Path) -> int:
+    return data.stat().st_size if isinstance(data, Path) else len(data)
 
 
 CONFIG = {"architecture": "amd64", "os": "linux",
           "config": {"Env": ["PATH=/usr/bin:/bin", "GREETING=hi"], "WorkingDir": "/srv", "Cmd": ["/bin/sh"]}}
 
 
-def write_oci(root: Path, layers: list[bytes], *, config: dict = CONFIG) -> Path:
-    """An OCI image layout directory at `root`."""
+def write_oci(root: Path, layers: list[bytes | Path], *, config: dict = CONFIG) -> Path:
+    """An OCI image layout directory at `root` (a layer given as a file is moved in)."""
     blobs = root / "blobs" / "sha256"
     blobs.mkdir(parents=True)
     cfg = json.dumps(config).encode()
-    for data in [cfg, *layers]:
-        (blobs / _sha(data)).write_bytes(data)
+    shas = [_sha(d) for d in layers]
+    sizes = [_size(d) for d in layers]
+    (blobs / _sha(cfg)).write_bytes(cfg)
+    for data, sha in zip(layers, shas):
+        if isinstance(data, Path):
+            data.rename(blobs / sha)
+        else:
+            (blobs / sha).write_bytes(data)
     manifest = json.dumps({
         "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": "sha256:" + _sha(cfg),
                    "size": len(cfg)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": "sha256:" + _sha(d),
-                    "size": len(d)} for d in layers]}).encode()
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": "sha256:" + sha,
+                    "size": size} for sha, size in zip(shas, sizes)]}).encode()
     (blobs / _sha(manifest)).write_bytes(manifest)
     (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
     (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [

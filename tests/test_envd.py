@@ -466,7 +466,7 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
 
     import blake3
 
-    from tests.oci_images import layer, write_oci
+    from tests.oci_images import padding_layer, write_oci
 
     small = tmp_path / "small.ext4"
     with open(small, "wb") as f:
@@ -478,13 +478,19 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
     srv = NodeServer(tmp_path, guest, STRATA_STATE_DIR=str(state), STRATA_CACHE_SIZE="192M")
     done = threading.Event()
     try:
-        pad = [blake3.blake3(i.to_bytes(4, "little")).digest(length=64 << 20) for i in range(24)]  # 1.5 GiB
-        want = hashlib.sha256(b"".join(pad)).hexdigest()
-        padding = layer([("dir", "pad"), *[("file", f"pad/{i:02d}", p) for i, p in enumerate(pad)]], compress=False)
-        del pad
+        hashed = hashlib.sha256()
+
+        def pad() -> Iterator[tuple[str, bytes]]:  # 1.5 GiB, 64 MiB in memory at a time
+            yield "pad", b""
+            for i in range(24):
+                block = blake3.blake3(i.to_bytes(4, "little")).digest(length=64 << 20)
+                hashed.update(block)
+                yield f"pad/{i:02d}", block
+
+        padding = padding_layer(tmp_path / "padding.tar", pad())
+        want = hashed.hexdigest()
         config = {"architecture": "amd64", "os": "linux", "config": {"Env": ["PATH=/usr/bin:/bin"]}}
         archive = write_oci(tmp_path / "big", [debian_rootfs().read_bytes(), padding], config=config)
-        del padding
         # imported where there is room to unpack it (a build machine, say); the node only serves it
         subprocess.run([str(ROOT / ".venv/bin/strata"), "image", "import", str(archive), "bigdeb:v1"],
                        env={**srv.env, "STRATA_STATE_DIR": str(tmp_path / "build-state")}, check=True,
