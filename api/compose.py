@@ -87,8 +87,20 @@ class NodeContext:
             c = self.config
             backend = open_backend(c.vmm, accel=c.accel, state_dir=c.state_dir)
             self._sandboxes = Sandboxes(store, client, backend, guest_dir=c.guest_dir,
-                                        work_root=c.state_dir / "sandboxes", memory_mib=c.sandbox_memory)
+                                        work_root=c.state_dir / "sandboxes", memory_mib=c.sandbox_memory,
+                                        network=self.network())
         return self._sandboxes
+
+    def network(self):  # noqa: ANN201 (vmm.network.Network | None)
+        """The node's sandbox networks, or None with config network.enabled = false."""
+        from vmm.network import Network
+
+        c = self.config
+        if c.network_enabled != "true":
+            return None
+        return Network(c.state_dir / "network", pool=c.network_pool, dns_port=c.network_dns_port,
+                       blocked=c.network_blocked)
+
 
     def node(self):  # noqa: ANN201 (api.node.Node; imported late: FastAPI's import is slow)
         """The API's Node over this node's sandboxes, its metrics watching them."""

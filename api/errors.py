@@ -9,7 +9,7 @@ Errors are `{"code", "message"}` with:
     AgentBusy                409             another command holds the sandbox's agent
     CorruptObject            409             stored data fails verification (`strata verify` names it)
     TooLarge                 413             upload over the node's limit
-    Capacity                 429             node full (Should-Retry: false)
+    Capacity, PoolExhausted  429             node full, no address left (Should-Retry: false)
     BackendUnavailable       503             object store down (Should-Retry: false)
     AccessDenied, BackendError 502           the object store refused the request or the node's credentials
     AgentError               502             the guest agent did not answer or answered nonsense
@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from layerstore.errors import (AccessDenied, BackendError, BackendUnavailable, Conflict, CorruptObject, InvalidInput,
                                MissingChunk, NotFound, StrataError)
 from vmm.agent import AgentBusy, AgentError, AgentTimeout
+from vmm.network import PoolExhausted
 
 from . import models as m
 
@@ -49,6 +50,7 @@ class TooLarge(InvalidInput):
 # first match wins: TooLarge before its base class InvalidInput
 STATUS: tuple[tuple[type[StrataError], int], ...] = (
     (NotFound, 404), (TooLarge, 413), (InvalidInput, 400), (Conflict, 409), (MissingChunk, 409), (Capacity, 429),
+    (PoolExhausted, 429),
     (CorruptObject, 409), (AgentBusy, 409), (AgentTimeout, 504), (AgentError, 502),
     (BackendUnavailable, 503), (BackendError, 502))  # AccessDenied is a BackendError
 NO_RETRY = (429, 503)  # E2B's SDK retries unless told not to; neither clears up by retrying at once

@@ -52,6 +52,22 @@ class Error(BaseModel):
 
 
 # --- E2B sandbox lifecycle ------------------------------------------------------
+class SandboxNetwork(Lenient):
+    """E2B's `network` of a new sandbox and of `PUT /sandboxes/{id}/network`:
+    the egress rules (vmm/egress.py). E2B's other fields (dnsServers,
+    egressProxy, rules, maskRequestHost, httpsPorts) are accepted and not
+    applied: a sandbox's DNS always goes through its node's resolver."""
+    allowOut: list[str] | None = Field(None, description="CIDRs, IPs and domains (example.com, *.example.com) "
+                                                          "the sandbox may reach; beats denyOut")
+    denyOut: list[str] | None = Field(None, description="CIDRs and IPs the sandbox may not reach")
+    allowPublicTraffic: bool | None = Field(None, description="whether the sandbox's ports answer without its "
+                                                              "traffic access token")
+
+
+class SandboxNetworkUpdate(SandboxNetwork):
+    allow_internet_access: bool | None = Field(None, description="omitted: unchanged")
+
+
 class NewSandbox(Lenient):
     templateID: str = Field(description="template (named image or snapshot) or image NAME:TAG")
     timeout: int | None = Field(None, description="seconds to live; default from the node's config")
@@ -60,6 +76,9 @@ class NewSandbox(Lenient):
     envVars: dict[str, str] = Field(default_factory=dict)
     diskSizeMB: int | None = Field(None, ge=1, le=16 << 20, description="Strata: a disk this large (MiB, at least "
                                    "the image's); the guest's root filesystem grows into it at boot")
+    allow_internet_access: bool | None = Field(None, description="false = deny every address allowOut does not "
+                                                                 "allow; default from the node's config")
+    network: SandboxNetwork | None = None
 
 
 class Sandbox(Reply):
@@ -104,14 +123,27 @@ class Lifecycle(Reply):
     onTimeout: Literal["kill", "pause"]
 
 
+class SandboxNetworkInfo(Reply):
+    allowOut: list[str] = Field(default_factory=list)
+    denyOut: list[str] = Field(default_factory=list)
+    address: str | None = Field(None, description="Strata: the sandbox's address on its node (the source of its "
+                                                  "traffic there; unique per sandbox, forks included)")
+
+
 class SandboxDetail(ListedSandbox):
     domain: str | None = None
     lifecycle: Lifecycle
+    allow_internet_access: bool | None = None
+    network: SandboxNetworkInfo | None = Field(None, description="null: the sandbox has no network")
 
     @classmethod
-    def of(cls, record: SandboxRecord, *, disk_mb: int) -> SandboxDetail:
+    def of(cls, record: SandboxRecord, *, disk_mb: int, address: str | None = None) -> SandboxDetail:
         listed = ListedSandbox.of(record, disk_mb=disk_mb).model_dump()
-        return cls(**listed, lifecycle=Lifecycle(onTimeout="pause" if record.auto_pause else "kill"))
+        rules = record.network
+        network = None if rules is None else SandboxNetworkInfo(allowOut=rules.get("allow", []),
+                                                                 denyOut=rules.get("deny", []), address=address)
+        return cls(**listed, lifecycle=Lifecycle(onTimeout="pause" if record.auto_pause else "kill"),
+                   allow_internet_access=None if rules is None else rules.get("internet", True), network=network)
 
 
 class SandboxMetric(Reply):

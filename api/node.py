@@ -39,8 +39,10 @@ from layerstore.refs import parse_ref
 from layerstore.store import Store
 from layerstore.templates import check_template_name
 from vmm.agent import Agent, GuestMetrics
+from vmm.egress import Egress
 from vmm.events import LEVELS, Event
 from vmm.registry import SandboxRecord, new_sid
+from vmm.resolver import Resolver
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
 from . import listing
@@ -79,6 +81,7 @@ class Node:
         self.metrics = metrics
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._resolver: Resolver | None = None
         self._vmm_time = threading.local()
         self._pool_lock = threading.Lock()
         self._pool_retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
@@ -95,6 +98,9 @@ class Node:
     def start(self) -> None:
         """Reconcile with what survived a restart, then start the reaper and pool threads."""
         self._reap_leftovers()
+        network = self.boxes.network
+        if network is not None:  # before any VM starts: theirs need the node's side
+            network.prepare()
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
         for record in self.boxes.registry.all():
@@ -110,6 +116,12 @@ class Node:
             if record.state in ("running", "paused") and not self.boxes.backend.is_running(
                     self.boxes.registry.workdir(record.sid)):
                 self._vm_gone(record)
+        if network is not None:
+            for sid in self.boxes.reconcile_network():
+                log.info("removed the network of sandbox %s, whose VM is gone", sid)
+            self._resolver = Resolver(network, port=self.config.network_dns_port, hosts=self.config.network_hosts,
+                                      upstream=list(self.config.network_upstream_dns) or None)
+            self._resolver.start()
         for target in (self._reaper, self._pooler):
             thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
             thread.start()
@@ -139,6 +151,8 @@ class Node:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._resolver is not None:
+            self._resolver.stop()
         for thread in self._threads:
             thread.join(timeout=30)
 
@@ -332,7 +346,7 @@ class Node:
 
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
-                      disk_mb: int | None = None) -> SandboxRecord:
+                      disk_mb: int | None = None, egress: Egress | None = None) -> SandboxRecord:
         """Boot or restore `source` as sandbox `sid` with the template's (and
         image's) process defaults and a fresh access token; no capacity check
         (create, the warm pool and template builds do their own)."""
@@ -352,14 +366,31 @@ class Node:
                 lifetime["disk_size"] = disk_mb << 20
             with self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
-                                       metadata=metadata, **lifetime).record
+                                       metadata=metadata, egress=egress or self.egress(), **lifetime).record
         with self.vmm("create"):
-            return self.boxes.restore(source.target, sid=sid, metadata=metadata, **lifetime).record
+            return self.boxes.restore(source.target, sid=sid, metadata=metadata, egress=egress or self.egress(),
+                                      **lifetime).record
+
+    def egress(self, internet: bool | None = None, allow: list[str] | None = None,
+               deny: list[str] | None = None) -> Egress:
+        """Validated rules of a new sandbox (InvalidInput names a bad one);
+        `internet` defaults to the config's network.internet."""
+        if internet is None:
+            internet = self.config.network_internet == "true"
+        return Egress.parse(internet, allow or [], deny or [])
+
+    def set_network(self, caller: Caller, sid: str, *, internet: bool | None, allow: list[str],
+                    deny: list[str]) -> SandboxRecord:
+        """E2B's network update: allowOut and denyOut are replaced; allow_internet_access if given."""
+        record = self.record(sid, caller)
+        current = Egress.of(record.network)
+        rules = Egress.parse(current.internet if internet is None else internet, allow, deny)
+        return self.boxes.set_egress(sid, rules)
 
     # lifecycle ---------------------------------------------------------------------------
     def create(self, caller: Caller, template_id: str, *, timeout: int | None, auto_pause: bool,
                metadata: dict[str, str], env: dict[str, str] | None = None,
-               disk_mb: int | None = None) -> SandboxRecord:
+               disk_mb: int | None = None, egress: Egress | None = None) -> SandboxRecord:
         ttl = self._ttl(timeout)
         if POOL_KEY in metadata:
             raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
@@ -372,11 +403,13 @@ class Node:
                 with self.vmm("create"):
                     self.boxes.resume(pooled.sid)
                 self.metrics.pool_hits.inc()
+                if egress is not None and pooled.network is not None:
+                    self.boxes.set_egress(pooled.sid, egress)
                 return self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
                                          end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
                                          env={**pooled.env, **(env or {})}, access_token=new_token())
             return self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
-                               team=caller.team, env=env, disk_mb=disk_mb)
+                                      team=caller.team, env=env, disk_mb=disk_mb, egress=egress)
 
     def kill(self, caller: Caller, sid: str) -> None:
         self.record(sid, caller)
@@ -516,7 +549,13 @@ class Node:
 
     def sandbox_detail(self, caller: Caller, sid: str) -> m.SandboxDetail:
         record = self.record(sid, caller)
-        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record))
+        address = None
+        if record.network is not None and self.boxes.network is not None and record.state != "suspended":
+            try:
+                address = self.boxes.network.link(sid).outside
+            except NotFound:  # between a stop and a start
+                pass
+        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record), address=address)
 
     def all_records(self) -> list[dict]:
         """Every sandbox record, warm pool included, as the VMM layer keeps it (for operators)."""

@@ -16,6 +16,8 @@ field, so a node with a typo never starts half-configured.
     endpoint = "http://seaweedfs:8333"  # STRATA_S3_ENDPOINT
     region = "us-east-1"                # STRATA_S3_REGION
     path_style = true                   # STRATA_S3_PATH_STYLE
+    [network]
+    pool = "10.201.0.0/16"              # STRATA_NETWORK_POOL
 
 API keys are secrets: they come from the environment only
 (STRATA_API_KEYS, STRATA_ADMIN_KEYS; comma-separated), never from the file.
@@ -144,6 +146,30 @@ def _list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in str(text).split(",") if item.strip())
 
 
+def _cidr(text: str) -> str:
+    import ipaddress
+
+    try:
+        return str(ipaddress.IPv4Network(str(text)))
+    except ValueError:
+        raise ValueError(f"{text!r} is not an IPv4 network (a.b.c.d/n)") from None
+
+
+def _hosts(text: str) -> dict[str, str]:
+    import ipaddress
+
+    hosts = {}
+    for item in _list(text):
+        name, sep, address = item.partition("=")
+        try:
+            hosts[name.strip().lower().rstrip(".")] = str(ipaddress.IPv4Address(address.strip()))
+        except ValueError:
+            raise ValueError(f"{item!r} is not NAME=IPV4") from None
+        if not sep or not name.strip():
+            raise ValueError(f"{item!r} is not NAME=IPV4")
+    return hosts
+
+
 def _path(text: str) -> Path:
     return Path(os.path.expanduser(str(text)))
 
@@ -152,7 +178,7 @@ def _path(text: str) -> Path:
 class Field:
     """One setting: its file key, how its text is parsed, its default and meaning."""
 
-    name: str  # config-file key (s3_x is key x of the [s3] table); the variable is STRATA_<NAME>
+    name: str  # config-file key (s3_x is key x of the [s3] table, network_x of [network]); STRATA_<NAME>
     parse: Callable[[str], Any]
     default: str | None
     doc: str
@@ -226,6 +252,20 @@ class NodeConfig:
     team_max_stored: dict[str, int] = _setting("", _team_limits(parse_bytes), "bytes a team's images and "
                                                                               "snapshots store at most: "
                                                                               "TEAM=SIZE,*=SIZE")
+    network_enabled: str = _setting("false", _choice("true", "false"), "give sandboxes a network: a namespace "
+                                                                       "each, NAT to the uplink, egress rules "
+                                                                       "(changes the host's nftables and "
+                                                                       "forwarding; needs root)")
+    network_pool: str = _setting("10.201.0.0/16", _cidr, "addresses of the sandboxes' links, a /30 per "
+                                                         "sandbox")
+    network_internet: str = _setting("true", _choice("true", "false"), "allow_internet_access of a sandbox "
+                                                                       "created without it")
+    network_blocked: tuple[str, ...] = _setting("169.254.0.0/16", _list, "addresses no sandbox reaches, "
+                                                                         "whatever its rules (CIDRs)")
+    network_dns_port: int = _setting("10053", _port, "port of the node's resolver for its sandboxes")
+    network_upstream_dns: tuple[str, ...] = _setting("", _list, "servers the resolver asks, IP[:PORT],... "
+                                                                "(default: /etc/resolv.conf's)")
+    network_hosts: dict[str, str] = _setting("", _hosts, "names the resolver answers itself: NAME=IP,...")
     s3_endpoint: str = _setting("", _text, "S3 endpoint URL (empty: AWS)")
     s3_region: str = _setting("", _text, "S3 region")
     s3_path_style: str = _setting("", _choice("true", "false", ""), "path-style S3 addressing")
@@ -297,6 +337,7 @@ class NodeConfig:
         return out
 
 
+TABLES = ("s3", "network")  # [s3] endpoint = ... is the field s3_endpoint
 FIELDS: tuple[Field, ...] = tuple(
     Field(f.name, f.metadata["setting"][0], f.metadata["setting"][1], f.metadata["setting"][2],
           f.metadata["setting"][3])
@@ -322,19 +363,25 @@ def load_config(env: Mapping[str, str]) -> dict[str, str]:
         raise InvalidInput(f"config file {path}: {exc}") from None
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key == "s3" and isinstance(value, dict):
-            flat.update({f"s3_{k}": v for k, v in value.items()})
+        if key in TABLES and isinstance(value, dict):
+            flat.update({f"{key}_{k}": v for k, v in value.items()})
         else:
             flat[key] = value
     by_name = {f.name: f for f in FIELDS}
     for key, value in flat.items():
         spec = by_name.get(key)
         if spec is None:
-            raise InvalidInput(f"config file {path}: unknown key {key.replace('s3_', 's3.', 1)!r}")
+            raise InvalidInput(f"config file {path}: unknown key {_file_key(key)!r}")
         if spec.secret:
             raise InvalidInput(f"config file {path}: {key} is a secret; set {spec.env} in the environment instead")
         merged.setdefault(spec.env, str(value).lower() if isinstance(value, bool) else str(value))
     return merged
+
+
+def _file_key(name: str) -> str:
+    """`s3_endpoint` -> `s3.endpoint`: a field of a [table] as the file names it."""
+    table, _, rest = name.partition("_")
+    return f"{table}.{rest}" if table in TABLES and rest else name
 
 
 def default_run_dir(*, euid: int, xdg_runtime_dir: str | None) -> Path:
@@ -350,6 +397,6 @@ def config_reference() -> str:
     """The schema as a Markdown table (the README's is generated from it)."""
     rows = ["| file key | environment | default | meaning |", "| --- | --- | --- | --- |"]
     for spec in FIELDS:
-        key = spec.name.replace("s3_", "s3.", 1) if spec.name.startswith("s3_") else spec.name
+        key = _file_key(spec.name)
         rows.append(f"| {'(env only)' if spec.secret else key} | `{spec.env}` | {spec.default or '-'} | {spec.doc} |")
     return "\n".join(rows)

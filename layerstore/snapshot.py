@@ -12,7 +12,8 @@ by content). Stored at `snapshots/<id>` as canonical JSON:
       "parent": "<snapshot id>" | null,
       "v": 1,
       "vm": {"backend": "qemu", "cmdline": "console=ttyS0 ...", "cpus": 1,
-             "initrd": "<layer id>", "kernel": "<layer id>", "memory_mib": 256}
+             "initrd": "<layer id>", "kernel": "<layer id>", "memory_mib": 256,
+             "nic": true}                       optional: the VM had a network card
     }
 
 The id is the blake3-256 of those bytes. A snapshot is published only after
@@ -35,6 +36,7 @@ LAYER_ROLES = ("disk", "memory", "state")
 VM_INT_FIELDS = ("cpus", "memory_mib")
 VM_STR_FIELDS = ("backend", "cmdline")
 VM_LAYER_FIELDS = ("kernel", "initrd")
+VM_OPTIONAL_BOOL_FIELDS = ("nic",)  # absent = false (snapshots from before they existed)
 
 
 SNAPSHOT_PREFIX = "snapshots/"
@@ -79,8 +81,12 @@ def _validate(snap: Snapshot) -> None:
     for role, layer_id in snap.layers.items():
         check_digest(layer_id, what=f"{role} layer id")
     expected = set(VM_INT_FIELDS) | set(VM_STR_FIELDS) | set(VM_LAYER_FIELDS)
-    if set(snap.vm) != expected:
-        raise InvalidInput(f"snapshot vm fields must be exactly {', '.join(sorted(expected))}")
+    if set(snap.vm) - set(VM_OPTIONAL_BOOL_FIELDS) != expected:
+        raise InvalidInput(f"snapshot vm fields must be exactly {', '.join(sorted(expected))} "
+                           f"(and optionally {', '.join(VM_OPTIONAL_BOOL_FIELDS)})")
+    for name in VM_OPTIONAL_BOOL_FIELDS:
+        if not isinstance(snap.vm.get(name, False), bool):
+            raise InvalidInput(f"snapshot vm.{name} must be true or false")
     for name in VM_INT_FIELDS:
         value = snap.vm[name]
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 1 << 20:

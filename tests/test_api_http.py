@@ -44,6 +44,9 @@ class StandIn:
         self.vmm_seconds = 0.25
         return _record("sb1", time.time())
 
+    def egress(self, *_: object) -> None:
+        return None
+
     def kill(self, _caller: object, sid: str) -> None:
         raise NotFound(f"sandbox {sid} not found")
 

@@ -41,6 +41,10 @@ class VmSpec:
     # reach it (every sandbox today); False maps it copy-on-write.
     memory_file: Path | None = None
     memory_shared: bool = True
+    # The sandbox's network namespace (vmm/network.py): the VMM runs in it and
+    # gives the guest a NIC on its tap0. None = no NIC (a snapshot restores
+    # only with the NIC set it was taken with).
+    netns: str | None = None
     extra: tuple[str, ...] = field(default_factory=tuple)
 
 

@@ -17,6 +17,8 @@ used here are unchanged since v1.16.1) and docs/snapshotting/snapshot-support.md
 
     boot     PUT /machine-config {vcpu_count, mem_size_mib, track_dirty_pages}
              PUT /boot-source    {kernel_image_path, initrd_path, boot_args}
+             PUT /network-interfaces/eth0 {iface_id, host_dev_name: tap0, guest_mac}
+                                 (with a sandbox network; the process runs in its namespace)
              PUT /drives/rootfs  {drive_id, path_on_host, is_root_device,
                                   is_read_only, cache_type}
              PUT /actions        {action_type: InstanceStart}
@@ -97,6 +99,7 @@ from .accel import Accel, detect
 from .agent import Agent, AgentError
 from .backend import VmmError, VmSpec
 from .durable import write_durably
+from .network import GUEST_MAC, guest_cmdline
 from .process import kill_group, owns, wait_gone
 
 log = logging.getLogger("strata.vmm")
@@ -610,6 +613,8 @@ class FirecrackerBackend:
                 "--show-level"]
         if self.pci:
             argv.append("--enable-pci")
+        if spec.netns is not None:  # the VMM opens tap0 in the sandbox's namespace
+            argv = ["ip", "netns", "exec", spec.netns, *argv]
         return argv + list(spec.extra)
 
     @staticmethod
@@ -629,12 +634,16 @@ class FirecrackerBackend:
                 "resume_vm": True,
             })]
         assert kernel is not None
+        cmdline = spec.cmdline if spec.netns is None else f"{spec.cmdline} {guest_cmdline()}"
+        nic = [] if spec.netns is None else [("/network-interfaces/eth0", {
+            "iface_id": "eth0", "host_dev_name": "tap0", "guest_mac": GUEST_MAC})]
         return [
             ("/machine-config", {"vcpu_count": spec.cpus, "mem_size_mib": spec.memory_mib,
                                  "track_dirty_pages": self.track_dirty_pages}),
             ("/boot-source", {"kernel_image_path": os.path.abspath(kernel),
                               "initrd_path": os.path.abspath(spec.initrd),
-                              "boot_args": firecracker_boot_args(spec.cmdline, pci=self.pci)}),
+                              "boot_args": firecracker_boot_args(cmdline, pci=self.pci)}),
+            *nic,
             # is_root_device false: the initramfs mounts /dev/vda itself and
             # switch_roots (true would only add an unused root=/dev/vda rw).
             # Unsafe (Firecracker's default) = no virtio flush: every write

@@ -46,6 +46,7 @@ from .accel import Accel, detect
 from .agent import Agent
 from .backend import VmmError, VmSpec
 from .durable import write_durably
+from .network import GUEST_MAC, guest_cmdline
 from .process import kill_group, owns, rotate_log, wait_gone
 from .qmp import QMP
 
@@ -193,6 +194,13 @@ class QemuBackend:
             "-qmp", f"unix:{w / 'qmp.sock'},server=on,wait=off",
             "-drive", f"file={spec.disk},format=raw,if=virtio,cache=none",
         ]
+        if spec.netns is not None:
+            if spec.incoming is None:
+                i = argv.index("-append") + 1
+                argv[i] = f"{argv[i]} {guest_cmdline()}"
+            argv = ["ip", "netns", "exec", spec.netns, *argv,
+                    "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+                    "-device", f"virtio-net-pci,netdev=net0,mac={GUEST_MAC}"]
         if spec.incoming is not None:
             # with a RAM file the x-ignore-shared capability must be set before
             # the stream is read, so the incoming side waits for QMP

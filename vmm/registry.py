@@ -82,6 +82,7 @@ class SandboxRecord:
     access_token: str = ""  # the API's data-plane token for this sandbox (opaque to the VMM layer)
     cwd: str = ""  # default working directory of the processes the API starts (an image's WorkingDir)
     user: str = ""  # default user of those processes (an image's User)
+    network: dict | None = None  # egress rules (vmm/egress.py) when the VM has a NIC; None = no network
 
 
 def new_sid() -> str:

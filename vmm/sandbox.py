@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fusefs.client import MountClient
@@ -51,6 +51,8 @@ from layerstore.store import Store
 from . import events
 from .agent import DEFAULT_MAX_OUTPUT, Agent, RunResult
 from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
+from .egress import Egress
+from .network import Network
 from .registry import MAX_FORKS, LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 
 log = logging.getLogger("strata.vmm")
@@ -95,6 +97,7 @@ class Sandboxes:
         work_root: Path,
         memory_mib: int = 256,
         lock_timeout: float = LOCK_TIMEOUT,
+        network: Network | None = None,
     ) -> None:
         self.store = store
         self.client = client  # the mount daemon: sandbox disks, seals, cache
@@ -104,6 +107,7 @@ class Sandboxes:
         self.registry = Registry(work_root)
         self.memory_mib = memory_mib
         self.lock_timeout = lock_timeout
+        self.network = network  # None: sandboxes get no NIC
         self._vms: dict[str, Vm] = {}
         self._boot_layers: dict[str, str] = {}
         self._held = threading.local()  # .sids: the sandbox locks the current thread holds
@@ -259,9 +263,13 @@ class Sandboxes:
             self.client.create_disk(memory_sid(record.sid), manifest=memory_layer)
             self.registry.save(record)
             started = time.monotonic()
+            if record.network is not None:
+                spec = replace(spec, netns=self._network().attach(record.sid, Egress.of(record.network)).netns)
             vm = self.backend.start(spec)
         except BaseException:
             try:
+                if self.network is not None:
+                    self.network.detach(record.sid)
                 self._remove_uppers(record.sid)
             except StrataError as exc:  # keep the original error; the record stays for a later kill
                 log.error("sandbox %s: cleaning up after a failed start: %s", record.sid, exc)
@@ -269,7 +277,7 @@ class Sandboxes:
             if not keep_record:
                 self.registry.remove(record.sid)
             raise
-        took = record.timings["restore" if spec.incoming else "boot"] = time.monotonic() - started
+        took = record.timings["restore" if spec.incoming else "boot"] = time.monotonic() - started  # network too
         record.pid = vm.pid
         self.registry.save(record)
         self._vms[record.sid] = vm
@@ -278,11 +286,14 @@ class Sandboxes:
         return Sandbox(record, vm, work)
 
     def boot(self, image: str, *, sid: str | None = None, memory_mib: int | None = None,
-             metadata: dict[str, str] | None = None, disk_size: int | None = None, **lifetime: object) -> Sandbox:
+             metadata: dict[str, str] | None = None, disk_size: int | None = None, egress: Egress | None = None,
+             **lifetime: object) -> Sandbox:
         """A new sandbox: a copy-on-write disk over `image` (NAME:TAG), booted;
         returns once the guest agent answers. `disk_size` bytes make the disk
         larger than the image; the guest agent grows the root filesystem
-        into it at boot."""
+        into it at boot. On a node with networking the guest gets a NIC
+        whose traffic `egress` rules (default: everything but what the node
+        blocks)."""
         ref = parse_ref(image)
         self.store.resolve(ref)  # unknown image: NotFound before anything is created
         sid = self._new_sid(sid)
@@ -290,6 +301,7 @@ class Sandboxes:
             self._claim(sid)
             memory = memory_mib or self.memory_mib
             record = SandboxRecord(sid, self.backend.name, f"image:{ref}", memory, metadata=dict(metadata or {}),
+                                   network=self._rules(egress, nic=self.network is not None),
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
@@ -322,6 +334,9 @@ class Sandboxes:
                           memory_file=self._memory_path(sid))
             self.client.create_disk(memory_sid(sid), manifest=self._zero_memory(record.memory_mib))
             started = time.monotonic()
+            if record.network is not None:
+                self._network().detach(sid)
+                spec = replace(spec, netns=self._network().attach(sid, Egress.of(record.network)).netns)
             vm = self.backend.start(spec)
             record.state, record.operation, record.pid = "running", "", vm.pid
             record.timings["reboot"] = time.monotonic() - started
@@ -462,7 +477,8 @@ class Sandboxes:
         snap = Snapshot(
             layers={"disk": disk, "memory": memory, "state": state_id},
             vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
-                "kernel": self._boot_layer("vmlinuz"), "initrd": self._boot_layer("initramfs.cpio.gz")},
+                "kernel": self._boot_layer("vmlinuz"), "initrd": self._boot_layer("initramfs.cpio.gz"),
+                **({"nic": True} if record.network is not None else {})},
             parent=self._existing_snapshot(record.last_snapshot),
             annotations={"sandbox": sid, "team": record.team, **({"implicit": implicit} if implicit else {})},
         )
@@ -496,9 +512,10 @@ class Sandboxes:
             return None
         return snapshot_id
 
-    def restore(self, snapshot_id: str, *, sid: str | None = None,
-                metadata: dict[str, str] | None = None, **lifetime: object) -> Sandbox:
-        """A new sandbox started from a snapshot, its RAM and disk served lazily."""
+    def restore(self, snapshot_id: str, *, sid: str | None = None, metadata: dict[str, str] | None = None,
+                egress: Egress | None = None, **lifetime: object) -> Sandbox:
+        """A new sandbox started from a snapshot, its RAM and disk served
+        lazily; with a NIC (and `egress` rules) if the snapshot's VM had one."""
         snap = self.store.get_snapshot(snapshot_id)
         self._check_complete(snapshot_id, snap)
         sid = self._new_sid(sid)
@@ -507,6 +524,7 @@ class Sandboxes:
             memory = int(snap.vm["memory_mib"])  # type: ignore[arg-type]
             record = SandboxRecord(sid, self.backend.name, f"snapshot:{snapshot_id}", memory,
                                    last_snapshot=snapshot_id, metadata=dict(metadata or {}),
+                                   network=self._rules(egress, nic=bool(snap.vm.get("nic"))),
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
@@ -588,10 +606,12 @@ class Sandboxes:
         if taken:
             raise InvalidInput(f"sandbox {taken[0]} already exists")
         snapshot_id = self.snapshot(sid, implicit="fork")
+        parent = self.registry.load(sid).network
         forks: list[Sandbox] = []
         try:
             for name in names:
-                forks.append(self.restore(snapshot_id, sid=name, **lifetime))
+                forks.append(self.restore(snapshot_id, sid=name, egress=Egress.of(parent) if parent else None,
+                                          **lifetime))
         except BaseException:
             for fork in forks:
                 self.kill(fork.sid)
@@ -624,6 +644,8 @@ class Sandboxes:
                 self.backend.destroy(self.registry.workdir(sid))
         if vm is not None:
             vm.kill()
+        if self.network is not None:
+            self.network.detach(sid)
         self._remove_uppers(sid)
 
     def _remove_uppers(self, sid: str, *, timeout: float = 10.0) -> None:
@@ -643,6 +665,39 @@ class Sandboxes:
                         continue
                     raise
                 break
+
+    def set_egress(self, sid: str, egress: Egress) -> SandboxRecord:
+        """Change a sandbox's egress rules; a running VM's apply at its next packet."""
+        with self._locked(sid):
+            record = self.registry.load(sid)
+            if record.network is None:
+                raise Conflict(f"sandbox {sid} has no network (it was started on a node without one)")
+            if self.network is not None and record.state != "suspended":
+                self.network.update(sid, egress)
+            record.network = egress.as_record()
+            self.registry.save(record)
+            events.append(self.registry.workdir(sid), "info", f"egress rules changed: {egress.as_record()}")
+            return record
+
+    def reconcile_network(self) -> list[str]:
+        """Remove the networks of sandboxes whose VM is gone (kill, crash, a
+        node that died midway); returns their ids."""
+        if self.network is None:
+            return []
+        live = {r.sid for r in self.registry.all()
+                if r.state != "suspended" and self.backend.is_running(self.registry.workdir(r.sid))}
+        return self.network.reconcile(live)
+
+    def _network(self) -> Network:
+        if self.network is None:
+            raise Conflict("this VM needs a network card (its snapshot was taken with one) and this node has "
+                           "networking off (config network.enabled)")
+        return self.network
+
+    @staticmethod
+    def _rules(egress: Egress | None, *, nic: bool) -> dict | None:
+        """A new record's `network`: None without a NIC."""
+        return (egress or Egress()).as_record() if nic else None
 
     def _memory_path(self, sid: str) -> Path:
         return self.mount / "sandboxes" / memory_sid(sid) / "disk.img"

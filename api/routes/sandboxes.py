@@ -21,8 +21,10 @@ NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
              summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
 def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: CallerDep) -> m.Sandbox:
     with vmm_timing(node, response):
+        net = body.network or m.SandboxNetwork()
         record = node.create(caller, body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
-                             metadata=body.metadata, env=body.envVars, disk_mb=body.diskSizeMB)
+                             metadata=body.metadata, env=body.envVars, disk_mb=body.diskSizeMB,
+                             egress=node.egress(body.allow_internet_access, net.allowOut, net.denyOut))
     return m.Sandbox.of(record)
 
 
@@ -137,6 +139,14 @@ def connect(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep
         record, resumed = node.connect(caller, sandboxID, body.timeout if body else None)
     response.status_code = 201 if resumed else 200
     return m.Sandbox.of(record)
+
+
+@router.put("/sandboxes/{sandboxID}/network", status_code=204,
+            summary="Replace the sandbox's egress rules; a running sandbox's next packet obeys them")
+def set_network(sandboxID: str, body: m.SandboxNetworkUpdate, node: NodeDep, caller: CallerDep) -> Response:
+    node.set_network(caller, sandboxID, internet=body.allow_internet_access, allow=body.allowOut or [],
+                     deny=body.denyOut or [])
+    return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandboxID}/timeout", status_code=204)

@@ -2,7 +2,8 @@
 # build.sh OUTDIR -- build the Strata guest into OUTDIR:
 #   vmlinuz            Debian's cloud kernel (its .deb is cached in OUTDIR)
 #   initramfs.cpio.gz  busybox + virtio modules + the agent (built from agent/);
-#                      /init starts the agent and switch_roots to /dev/vda
+#                      /init brings the network up, starts the agent and
+#                      switch_roots to /dev/vda
 #   rootfs.ext4        64 MiB ext4 (mke2fs -d, no mount/loop/root needed)
 # Idempotent; the only network use is apt. Outputs are reproducible (fixed
 # timestamps, UUID and hash seed) so identical builds dedup in the chunk store.
@@ -76,6 +77,7 @@ install -m 0755 "$FILES/init" "$I/init"; mkdir -p "$I/newroot" "$I/lib/modules"
 # insmod order = dependency order (no modprobe/depmod in the initramfs).
 # ext4 and its deps (crc16, mbcache, jbd2) are only loaded if not built in.
 mods="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_console"
+mods="$mods failover net_failover virtio_net"  # the sandbox network (vmm/network.py)
 grep -q '/ext4.ko' "$K/lib/modules/$KVER/modules.builtin" ||
     mods="$mods crc16 crc32c_generic mbcache jbd2 ext4"
 : >"$I/lib/modules/load.list"

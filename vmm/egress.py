@@ -1,0 +1,171 @@
+"""A sandbox's egress rules, and the nftables ruleset that enforces them.
+
+Rules follow E2B's network options:
+
+    internet  (allow_internet_access)  False = deny every address not allowed below
+    allow     (network.allowOut)       CIDRs, IPs and domains (example.com, *.example.com)
+    deny      (network.denyOut)        CIDRs and IPs
+
+Allow beats deny, as in E2B: an address in both is reachable. A domain rule
+allows the addresses the node's resolver hands the guest for a name that
+matches it, for as long as the answer's TTL (at least MIN_TTL): the
+addresses are learned per answer, never by resolving the name once at create.
+Domains only matter where something denies (`internet` off or a deny rule):
+everything else is reachable anyway.
+
+Addresses the node blocks for every sandbox (link-local and cloud metadata by
+default, config `network.blocked`) beat every rule.
+
+The rules are enforced in the sandbox's own network namespace (vmm/network.py),
+on every packet the guest sends, so a change applies to the next packet:
+connections already open to an address now denied stop; an address newly
+allowed is reachable at once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from layerstore.errors import InvalidInput
+
+GUEST, GUEST_GATEWAY = "172.16.0.2", "172.16.0.1"  # the guest's link, the same in every sandbox (vmm/network.py)
+MAX_RULES = 1000
+MIN_TTL = 30  # seconds a resolved address of an allowed domain stays allowed, at least
+_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
+_DOMAIN = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}\.?$")
+
+
+@dataclass(frozen=True)
+class Egress:
+    internet: bool = True
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, internet: bool = True, allow: Any = (), deny: Any = ()) -> Egress:
+        """Validated rules; InvalidInput names the first bad one (nothing is applied)."""
+        if not isinstance(internet, bool):
+            raise InvalidInput("allow_internet_access must be true or false")
+        return cls(internet, tuple(_rules(allow, "allowOut", domains=True)), tuple(_rules(deny, "denyOut")))
+
+    @classmethod
+    def of(cls, record: dict[str, Any] | None) -> Egress:
+        """From a sandbox record's `network` field (None: the defaults)."""
+        record = record or {}
+        return cls.parse(record.get("internet", True), record.get("allow", ()), record.get("deny", ()))
+
+    def as_record(self) -> dict[str, Any]:
+        return {"internet": self.internet, "allow": list(self.allow), "deny": list(self.deny)}
+
+    @property
+    def allowed_nets(self) -> list[str]:
+        return [r for r in self.allow if not _is_domain(r)]
+
+    @property
+    def domains(self) -> list[str]:
+        return [r for r in self.allow if _is_domain(r)]
+
+    def allows_name(self, name: str) -> bool:
+        """Does a domain rule cover `name` (a DNS query name)?"""
+        name = name.rstrip(".").lower()
+        for rule in self.domains:
+            rule = rule.rstrip(".")
+            if rule.startswith("*.") and (name.endswith(rule[1:]) or name == rule[2:]):
+                return True
+            if name == rule:
+                return True
+        return False
+
+
+def _is_domain(rule: str) -> bool:
+    return not rule[:1].isdigit() and ":" not in rule
+
+
+def _rules(value: Any, field: str, *, domains: bool = False) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, str) for r in value):
+        raise InvalidInput(f"{field} must be a list of strings")
+    if len(value) > MAX_RULES:
+        raise InvalidInput(f"{field} has {len(value)} rules; at most {MAX_RULES}")
+    out = []
+    for rule in value:
+        rule = rule.strip().lower()
+        if _is_domain(rule) and domains:
+            if not _DOMAIN.match(rule) or len(rule) > 253:
+                raise InvalidInput(f"{field}: {rule!r} is not a CIDR, an IP address or a domain")
+            out.append(rule)
+            continue
+        try:
+            net = ipaddress.ip_network(rule, strict=False)
+        except ValueError:
+            what = "a CIDR, an IP address or a domain" if domains else "a CIDR or an IP address"
+            raise InvalidInput(f"{field}: {rule!r} is not {what}") from None
+        if net.version != 4:
+            raise InvalidInput(f"{field}: {rule!r}: sandboxes have IPv4 only")
+        out.append(str(net))
+    return out
+
+
+def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, blocked: tuple[str, ...],
+            replace: bool) -> str:
+    """The sandbox namespace's nftables script (`nft -f -`), one transaction.
+
+        guest 172.16.0.2 --tap0--> [ns: dnat :53 -> node resolver; egress chain; snat -> outside] --eth0--> node
+
+    `gateway` is the node's end of the namespace's link (where the resolver
+    listens on `dns_port`), `outside` the namespace's own address. With
+    `replace` the filter sets and the egress chain are swapped in place
+    (learned domain addresses are kept unless the domains changed: the caller
+    flushes them then), otherwise the whole table is created.
+    """
+    sets = {"allow": rules.allowed_nets, "deny": list(rules.deny), "blocked": list(blocked)}
+    verdict = "accept" if rules.internet else "drop"
+    egress = [f"ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport {dns_port} accept",
+              "ip daddr @blocked drop", "ip daddr @allow accept", "ip daddr @learned accept",
+              "ip daddr @deny drop", verdict]
+    if replace:
+        lines = []
+        for name, members in sets.items():
+            lines.append(f"flush set inet strata {name}")
+            if members:
+                lines.append(f"add element inet strata {name} {{ {', '.join(members)} }}")
+        lines.append("flush chain inet strata egress")
+        lines += [f"add rule inet strata egress {rule}" for rule in egress]
+        return "\n".join(lines) + "\n"
+    body = []
+    for name, members in sets.items():
+        elements = f" elements = {{ {', '.join(members)} }};" if members else ""
+        body.append(f"  set {name} {{ type ipv4_addr; flags interval; auto-merge;{elements} }}")
+    body += [
+        "  set learned { type ipv4_addr; flags timeout; }",
+        "  counter sent { }",
+        "  counter received { }",
+        "  chain nat_in { type nat hook prerouting priority dstnat;",
+        f"    iifname \"tap0\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gateway}:{dns_port}",
+        # the node reaches the guest's ports at the namespace's own address (api's port proxy)
+        f"    iifname \"eth0\" ip daddr {outside} dnat ip to {GUEST}",
+        "  }",
+        "  chain nat_out { type nat hook postrouting priority srcnat;",
+        f"    oifname \"eth0\" snat ip to {outside}",
+        "  }",
+        "  chain filter_forward { type filter hook forward priority filter; policy drop;",
+        "    iifname \"tap0\" counter name \"sent\"",
+        "    oifname \"tap0\" counter name \"received\"",
+        "    iifname \"eth0\" oifname \"tap0\" ct state established,related accept",
+        "    iifname \"eth0\" oifname \"tap0\" ct status dnat accept",
+        "    iifname \"tap0\" oifname \"eth0\" ct direction reply accept",  # answers to the node's port proxy
+        "    iifname \"tap0\" oifname \"eth0\" meta nfproto ipv4 jump egress",
+        "  }",
+        "  chain filter_input { type filter hook input priority filter; policy accept;",
+        "    iifname \"tap0\" ct state established,related accept",
+        "    iifname \"tap0\" drop",
+        "  }",
+        "  chain egress {",
+        *[f"    {rule}" for rule in egress],
+        "  }",
+    ]
+    return "table inet strata {\n" + "\n".join(body) + "\n}\n"
