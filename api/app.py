@@ -25,6 +25,7 @@ from fastapi.routing import APIRoute
 from . import errors
 from .deps import KEY_HEADER
 from .node import Node
+from .ports import PortProxy
 from .routes import ROUTERS
 from .routes.builds import is_upload
 from .routes.envd import is_data_plane
@@ -77,7 +78,8 @@ def create_app(node: Node | None = None) -> FastAPI:
     app.state.node = node
     errors.install(app)
     app.middleware("http")(_key_first)
-    app.middleware("http")(_timing)  # added last: outermost, so refused requests are counted too
+    app.middleware("http")(_timing)  # outermost of the API's, so refused requests are counted too
+    app.add_middleware(PortProxy)  # outermost: a sandbox port's request never reaches the API
     for router in ROUTERS:
         app.include_router(router)
     return app

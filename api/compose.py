@@ -99,7 +99,8 @@ class NodeContext:
         if c.network_enabled != "true":
             return None
         return Network(c.state_dir / "network", pool=c.network_pool, dns_port=c.network_dns_port,
-                       blocked=c.network_blocked)
+                       blocked=c.network_blocked, max_connections=c.network_max_connections,
+                       bandwidth=c.network_bandwidth)
 
 
     def node(self):  # noqa: ANN201 (api.node.Node; imported late: FastAPI's import is slow)

@@ -6,6 +6,7 @@ Errors are `{"code", "message"}` with:
     NotFound                 404             unknown id, ref, template
     InvalidInput, bad body   400             nothing was changed
     Conflict, MissingChunk   409             wrong state / snapshot incomplete
+    Forbidden                403             a sandbox port without its traffic access token
     AgentBusy                409             another command holds the sandbox's agent
     CorruptObject            409             stored data fails verification (`strata verify` names it)
     TooLarge                 413             upload over the node's limit
@@ -43,6 +44,10 @@ class Capacity(StrataError):
     """The node holds as many sandboxes as it is configured to."""
 
 
+class Forbidden(StrataError):
+    """The caller is known but may not do this (a sandbox port without its traffic token)."""
+
+
 class TooLarge(InvalidInput):
     """An upload is bigger than the node accepts (config `max_upload`)."""
 
@@ -50,7 +55,7 @@ class TooLarge(InvalidInput):
 # first match wins: TooLarge before its base class InvalidInput
 STATUS: tuple[tuple[type[StrataError], int], ...] = (
     (NotFound, 404), (TooLarge, 413), (InvalidInput, 400), (Conflict, 409), (MissingChunk, 409), (Capacity, 429),
-    (PoolExhausted, 429),
+    (PoolExhausted, 429), (Forbidden, 403),
     (CorruptObject, 409), (AgentBusy, 409), (AgentTimeout, 504), (AgentError, 502),
     (BackendUnavailable, 503), (BackendError, 502))  # AccessDenied is a BackendError
 NO_RETRY = (429, 503)  # E2B's SDK retries unless told not to; neither clears up by retrying at once

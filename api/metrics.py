@@ -1,8 +1,9 @@
 """The node's Prometheus metrics (text format at GET /metrics).
 
 Each app gets its own registry (no process-global state): lifecycle
-latencies as histograms, errors by class, warm-pool hits; sandboxes by state
-and the chunk cache's counters are read when scraped.
+latencies as histograms, errors by class, warm-pool hits; sandboxes by state,
+the chunk cache's counters and each sandbox's network traffic are read when
+scraped.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 class _Live(Collector):
     """Gauges computed at scrape time from callbacks."""
 
-    def __init__(self, states: Callable[[], dict[str, int]], cache: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, states: Callable[[], dict[str, int]], cache: Callable[[], dict[str, int]],
+                 traffic: Callable[[], dict[str, dict[str, int]]]) -> None:
         self.states = states
         self.cache = cache
+        self.traffic = traffic
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("strata_sandboxes", "sandboxes on this node by state", labels=["state"])
@@ -38,6 +41,12 @@ class _Live(Collector):
                                ("evictions", "chunks evicted"), ("pinned", "pinned chunks")):
             if key in stats:
                 yield GaugeMetricFamily(f"strata_cache_{key}", help_text, value=stats[key])
+        family = GaugeMetricFamily("strata_sandbox_network_bytes", "bytes a sandbox's guest sent and received "
+                                   "since its VM started", labels=["sandbox", "direction"])
+        for sid, counters in sorted(self.traffic().items()):
+            for direction in ("sent", "received"):
+                family.add_metric([sid, direction], counters.get(f"{direction}_bytes", 0))
+        yield family
 
 
 class Metrics:
@@ -52,8 +61,9 @@ class Metrics:
         self.pool_hits = Counter("strata_warm_pool_hits_total", "creates served from a warm pool",
                                  registry=self.registry)
 
-    def watch(self, states: Callable[[], dict[str, int]], cache: Callable[[], dict[str, int]]) -> None:
-        self.registry.register(_Live(states, cache))
+    def watch(self, states: Callable[[], dict[str, int]], cache: Callable[[], dict[str, int]],
+              traffic: Callable[[], dict[str, dict[str, int]]] = dict) -> None:
+        self.registry.register(_Live(states, cache, traffic))
 
     def error(self, exc: BaseException) -> None:
         self.errors.labels(type(exc).__name__).inc()

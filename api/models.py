@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from vmm.agent import GuestMetrics
@@ -65,7 +65,9 @@ class SandboxNetwork(Lenient):
 
 
 class SandboxNetworkUpdate(SandboxNetwork):
-    allow_internet_access: bool | None = Field(None, description="omitted: unchanged")
+    allow_internet_access: bool | None = Field(None, description="omitted: unchanged (allowInternetAccess too)",
+                                               validation_alias=AliasChoices("allow_internet_access",
+                                                                             "allowInternetAccess"))
 
 
 class NewSandbox(Lenient):
@@ -77,7 +79,10 @@ class NewSandbox(Lenient):
     diskSizeMB: int | None = Field(None, ge=1, le=16 << 20, description="Strata: a disk this large (MiB, at least "
                                    "the image's); the guest's root filesystem grows into it at boot")
     allow_internet_access: bool | None = Field(None, description="false = deny every address allowOut does not "
-                                                                 "allow; default from the node's config")
+                                                                 "allow; default from the node's config "
+                                                                 "(allowInternetAccess too)",
+                                               validation_alias=AliasChoices("allow_internet_access",
+                                                                             "allowInternetAccess"))
     network: SandboxNetwork | None = None
 
 
@@ -92,9 +97,10 @@ class Sandbox(Reply):
     domain: str | None = None
 
     @classmethod
-    def of(cls, record: SandboxRecord) -> Sandbox:
+    def of(cls, record: SandboxRecord, *, domain: str | None = None) -> Sandbox:
         return cls(templateID=record.template or record.source, sandboxID=record.sid,
-                   envdAccessToken=record.access_token or None)
+                   envdAccessToken=record.access_token or None, trafficAccessToken=record.traffic_token or None,
+                   domain=domain)
 
 
 class ListedSandbox(Reply):
@@ -124,6 +130,7 @@ class Lifecycle(Reply):
 
 
 class SandboxNetworkInfo(Reply):
+    allowPublicTraffic: bool = True
     allowOut: list[str] = Field(default_factory=list)
     denyOut: list[str] = Field(default_factory=list)
     address: str | None = Field(None, description="Strata: the sandbox's address on its node (the source of its "
@@ -133,15 +140,16 @@ class SandboxNetworkInfo(Reply):
 class SandboxDetail(ListedSandbox):
     domain: str | None = None
     lifecycle: Lifecycle
-    allow_internet_access: bool | None = None
-    network: SandboxNetworkInfo | None = Field(None, description="null: the sandbox has no network")
+    allow_internet_access: bool | None = Field(None, description="null: the sandbox has no network at all")
+    network: SandboxNetworkInfo
 
     @classmethod
     def of(cls, record: SandboxRecord, *, disk_mb: int, address: str | None = None) -> SandboxDetail:
         listed = ListedSandbox.of(record, disk_mb=disk_mb).model_dump()
         rules = record.network
-        network = None if rules is None else SandboxNetworkInfo(allowOut=rules.get("allow", []),
-                                                                 denyOut=rules.get("deny", []), address=address)
+        given = rules or {}  # no network: no rules, no address
+        network = SandboxNetworkInfo(allowOut=given.get("allow", []), denyOut=given.get("deny", []), address=address,
+                                     allowPublicTraffic=not record.traffic_token)
         return cls(**listed, lifecycle=Lifecycle(onTimeout="pause" if record.auto_pause else "kill"),
                    allow_internet_access=None if rules is None else rules.get("internet", True), network=network)
 
@@ -158,12 +166,16 @@ class SandboxMetric(Reply):
     memCache: int
     diskUsed: int
     diskTotal: int
+    netSentBytes: int = Field(0, description="Strata: bytes the guest sent on its network since its VM started")
+    netReceivedBytes: int = Field(0, description="Strata: bytes it received")
 
     @classmethod
-    def of(cls, at: float, g: GuestMetrics) -> SandboxMetric:
+    def of(cls, at: float, g: GuestMetrics, traffic: dict[str, int] | None = None) -> SandboxMetric:
+        traffic = traffic or {}
         return cls(timestamp=timestamp(at), timestampUnix=int(at), cpuCount=g.cpu_count,
                    cpuUsedPct=round(g.cpu_used_pct, 2), memUsed=g.mem_used, memTotal=g.mem_total,
-                   memCache=g.mem_cache, diskUsed=g.disk_used, diskTotal=g.disk_total)
+                   memCache=g.mem_cache, diskUsed=g.disk_used, diskTotal=g.disk_total,
+                   netSentBytes=traffic.get("sent_bytes", 0), netReceivedBytes=traffic.get("received_bytes", 0))
 
 
 class SandboxesWithMetrics(Reply):

@@ -49,7 +49,7 @@ from . import listing
 from . import models as m
 from .builds import BUILD_KEY, Builds
 from .catalog import Catalog
-from .errors import Capacity
+from .errors import Capacity, Forbidden
 from .maintenance import Maintenance
 from .metrics import Metrics
 from .supervisor import MountSupervisor
@@ -346,12 +346,14 @@ class Node:
 
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
-                      disk_mb: int | None = None, egress: Egress | None = None) -> SandboxRecord:
+                      disk_mb: int | None = None, egress: Egress | None = None,
+                      public: bool = True) -> SandboxRecord:
         """Boot or restore `source` as sandbox `sid` with the template's (and
         image's) process defaults and a fresh access token; no capacity check
         (create, the warm pool and template builds do their own)."""
         lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
-                    "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token()}
+                    "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token(),
+                    "traffic_token": "" if public else new_token()}
         defaults = source.process  # a built template's ENV/WORKDIR/USER, over an image's config
         if source.kind == "image":  # the image config (an OCI import's) applies to every process
             runtime = runtime_of(self.store.stack(self.store.resolve(source.target))[0].annotations)
@@ -379,6 +381,27 @@ class Node:
             internet = self.config.network_internet == "true"
         return Egress.parse(internet, allow or [], deny or [])
 
+    @property
+    def domain(self) -> str | None:
+        """The domain of sandbox hosts ({port}-{id}.{domain}), None when not configured."""
+        return self.config.domain or None
+
+    def port_address(self, sid: str, token: str | None) -> str:
+        """Where the port proxy (api/ports.py) reaches sandbox `sid`: its
+        address on the node. Forbidden without the sandbox's traffic token
+        when its ports are not public."""
+        try:
+            record = self.boxes.registry.load(sid)
+        except NotFound:
+            raise NotFound(f"sandbox {sid} not found") from None
+        if record.traffic_token and not hmac.compare_digest((token or "").encode(), record.traffic_token.encode()):
+            raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
+        if record.state == "suspended":
+            raise Conflict(f"sandbox {sid} is paused: resume it to reach its ports")
+        if record.network is None or self.boxes.network is None:
+            raise Conflict(f"sandbox {sid} has no network (config network.enabled)")
+        return self.boxes.network.link(sid).outside
+
     def set_network(self, caller: Caller, sid: str, *, internet: bool | None, allow: list[str],
                     deny: list[str]) -> SandboxRecord:
         """E2B's network update: allowOut and denyOut are replaced; allow_internet_access if given."""
@@ -390,7 +413,7 @@ class Node:
     # lifecycle ---------------------------------------------------------------------------
     def create(self, caller: Caller, template_id: str, *, timeout: int | None, auto_pause: bool,
                metadata: dict[str, str], env: dict[str, str] | None = None,
-               disk_mb: int | None = None, egress: Egress | None = None) -> SandboxRecord:
+               disk_mb: int | None = None, egress: Egress | None = None, public: bool = True) -> SandboxRecord:
         ttl = self._ttl(timeout)
         if POOL_KEY in metadata:
             raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
@@ -407,9 +430,10 @@ class Node:
                     self.boxes.set_egress(pooled.sid, egress)
                 return self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
                                          end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
-                                         env={**pooled.env, **(env or {})}, access_token=new_token())
+                                         env={**pooled.env, **(env or {})}, access_token=new_token(),
+                                         traffic_token="" if public else new_token())
             return self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
-                                      team=caller.team, env=env, disk_mb=disk_mb, egress=egress)
+                                      team=caller.team, env=env, disk_mb=disk_mb, egress=egress, public=public)
 
     def kill(self, caller: Caller, sid: str) -> None:
         self.record(sid, caller)
@@ -469,7 +493,8 @@ class Node:
                                     end_at=time.time() + ttl, auto_pause=record.auto_pause,  # type: ignore[operator]
                                     env=record.env, metadata=dict(record.metadata), cwd=record.cwd,
                                     user=record.user)
-        return [self.boxes.update(f.record.sid, access_token=new_token()) for f in forks]  # one token each
+        return [self.boxes.update(f.record.sid, access_token=new_token(),  # one token each
+                                  traffic_token=new_token() if record.traffic_token else "") for f in forks]
 
     def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:
         record = self.record(sid, caller)
@@ -510,12 +535,22 @@ class Node:
             return [e for e in reversed(rows) if not since or e.t <= since][:limit]
         return [e for e in rows if e.t >= since][:limit]
 
-    def metrics_of(self, caller: Caller, sid: str) -> tuple[float, GuestMetrics]:
-        """One sample of a running sandbox's guest (paused: Conflict)."""
+    def metrics_of(self, caller: Caller, sid: str) -> tuple[float, GuestMetrics, dict[str, int]]:
+        """One sample of a running sandbox's guest (paused: Conflict), and
+        its network's traffic counters since its VM started ({} without one)."""
         record = self.record(sid, caller)
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: it has no metrics until resumed")
-        return time.time(), self.boxes.agent(sid).metrics()
+        return time.time(), self.boxes.agent(sid).metrics(), self.traffic(record)
+
+    def traffic(self, record: SandboxRecord) -> dict[str, int]:
+        """Bytes and packets a sandbox's guest sent and received ({}: no network, or gone meanwhile)."""
+        if record.network is None or self.boxes.network is None or record.state == "suspended":
+            return {}
+        try:
+            return self.boxes.network.counters(record.sid)
+        except StrataError:
+            return {}
 
     def gc_roots(self) -> list:
         """What GC of this node's store must keep beyond refs, templates and

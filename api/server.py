@@ -21,7 +21,7 @@ log = logging.getLogger("strata.api")
 
 
 def watch_metrics(node: Node) -> None:
-    """Gauges read at scrape time: sandboxes by state, and the mount's cache."""
+    """Gauges read at scrape time: sandboxes by state, the mount's cache, sandbox traffic."""
     from .node import POOL_KEY
 
     def states() -> dict[str, int]:
@@ -36,7 +36,10 @@ def watch_metrics(node: Node) -> None:
     def cache() -> dict[str, int]:
         return node.cache_stats().counters()
 
-    node.metrics.watch(states, cache)
+    def traffic() -> dict[str, dict[str, int]]:
+        return {r.sid: counters for r in node.boxes.registry.all() if (counters := node.traffic(r))}
+
+    node.metrics.watch(states, cache, traffic)
 
 
 def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:

@@ -75,6 +75,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{value} must not be negative")
+    return value
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -226,6 +233,8 @@ class NodeConfig:
                                                           "can run a guest)")
     run_dir: Path = _setting("", _text, "control sockets of mounts (default /run/strata as root)")
     host: str = _setting("127.0.0.1", _text, "address `strata serve` listens on")
+    domain: str = _setting("", _text, "domain of sandbox hosts, {port}-{id}.DOMAIN (E2B's `domain`; its "
+                                      "wildcard DNS reaches this node, or a TLS proxy in front of it)")
     port: int = _setting("8080", _port, "port `strata serve` listens on")
     sandbox_memory: int = _setting("256", _positive, "guest memory of new sandboxes, MiB")
     sandbox_timeout: float = _setting("300s", parse_duration, "TTL of a sandbox created without a timeout")
@@ -266,6 +275,10 @@ class NodeConfig:
     network_upstream_dns: tuple[str, ...] = _setting("", _list, "servers the resolver asks, IP[:PORT],... "
                                                                 "(default: /etc/resolv.conf's)")
     network_hosts: dict[str, str] = _setting("", _hosts, "names the resolver answers itself: NAME=IP,...")
+    network_max_connections: int = _setting("0", _count, "connections one sandbox opens at once at most (0: no "
+                                                         "limit); more are dropped")
+    network_bandwidth: int = _setting("0", parse_bytes, "bytes per second one sandbox sends, and receives, at most "
+                                                        "(e.g. 100M; 0: no limit); more are dropped")
     s3_endpoint: str = _setting("", _text, "S3 endpoint URL (empty: AWS)")
     s3_region: str = _setting("", _text, "S3 region")
     s3_path_style: str = _setting("", _choice("true", "false", ""), "path-style S3 addressing")

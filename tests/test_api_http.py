@@ -31,6 +31,7 @@ class StandIn:
         self.config = SimpleNamespace(api_keys=(("default", KEY), ("ops", ADMIN)), admin_keys=(("ops", ADMIN),))
         self.metrics = Metrics()
         self.vmm_seconds = 0.0
+        self.domain = None
 
     def take_vmm_seconds(self) -> float:
         taken, self.vmm_seconds = self.vmm_seconds, 0.0

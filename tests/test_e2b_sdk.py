@@ -54,8 +54,6 @@ SAMPLE_TIME = "2025-01-01T00:00:00Z"
 
 # The SDK's sandbox operations that Strata does not serve (yet).
 NOT_YET: dict[tuple[str, str], str] = {
-    ("PUT", "/sandboxes/{sandboxID}/network"): "egress rules of a running sandbox: Strata's VMs have no "
-                                               "per-sandbox network policy to change",
 }
 
 

@@ -72,3 +72,14 @@ def test_nft_accepts_the_scripts() -> None:
                    replace=False)
     result = subprocess.run(["nft", "-c", "-f", "-"], input=full, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_limits_are_in_the_table_only_when_set() -> None:
+    args = dict(gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, blocked=(), replace=False)
+    plain = ruleset(Egress(), **args)  # type: ignore[arg-type]
+    assert "ct count" not in plain and "limit rate" not in plain
+    limited = ruleset(Egress(), max_connections=50, bandwidth=1 << 20, **args)  # type: ignore[arg-type]
+    assert "ct count over 50 drop" in limited and limited.count("limit rate over 1048576 bytes/second") == 2
+    if shutil.which("nft") and os.geteuid() == 0:
+        result = subprocess.run(["nft", "-c", "-f", "-"], input=limited, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr

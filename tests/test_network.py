@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import IN_CI, needs_qemu
+from tests.conftest import IN_CI, ROOT, needs_qemu
 from tests.netns import Lab
 from tests.node_server import NodeServer
 
@@ -99,6 +99,7 @@ def test_sandbox_networks(guest: Path, tmp_path: Path) -> None:
         web1, web2 = lab.addrs["web1"], lab.addrs["web2"]
         node = NodeServer(tmp_path / "node", guest, host=lab.addrs["node"], prefix=lab.prefix("node"),
                           STRATA_NETWORK_ENABLED="true", STRATA_NETWORK_POOL="10.201.0.0/29",
+                          STRATA_DOMAIN="sandboxes.test",
                           STRATA_NETWORK_HOSTS=f"web1.test={web1},web2.test={web2},api.web1.test={web1}",
                           STRATA_NETWORK_UPSTREAM_DNS=lab.addrs["hub"])  # nothing answers there
         node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
@@ -126,7 +127,9 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
 
     a = c.post("/sandboxes", json={"templateID": "guest:v1", "allow_internet_access": False,
                                    "network": {"allowOut": [web1]}}).json()["sandboxID"]
-    b = c.post("/sandboxes", json={"templateID": "guest:v1"}).json()["sandboxID"]
+    created = c.post("/sandboxes", json={"templateID": "guest:v1", "network": {"allowPublicTraffic": False}}).json()
+    b, b_token = created["sandboxID"], created["trafficAccessToken"]
+    assert b_token and created["domain"] == "sandboxes.test"
     # the /29 pool holds two: a third is refused whole
     r = c.post("/sandboxes", json={"templateID": "guest:v1"})
     assert r.status_code == 429 and "no free address" in r.json()["message"], r.text
@@ -168,6 +171,7 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
                        "busybox httpd -p 7000 -h /tmp/www")
     with lab.inside("node"):  # the node itself reaches a's ports at a's address
         assert httpx.get(f"http://{a_addr}:7000/", timeout=10).text.strip() == "served-by-a"
+    _ports(node, a)
     assert fetch(node, b, f"http://{a_addr}:7000/") is None
     assert fetch(node, b, WEB.format(web1)) == "this is web1"
     assert fetch(node, b, f"http://{lab.addrs['node']}:{node.port}/health") is None
@@ -177,10 +181,25 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
     assert c.delete(f"/sandboxes/{a}").status_code == 204
     assert len(leftovers(lab, node, [a])) == 2  # b's link and lease; nothing of a's
 
+    # b's ports need its traffic token
+    guest_run(node, b, "mkdir -p /tmp/www && echo served-by-b > /tmp/www/index.html && "
+                       "busybox httpd -p 7000 -h /tmp/www")
+    port_url, host = f"http://{lab.addrs['node']}:{node.port}/", f"7000-{b}.sandboxes.test"
+    r = httpx.get(port_url, headers={"Host": host}, timeout=30)
+    assert r.status_code == 403 and "traffic access token" in r.json()["message"]
+    r = httpx.get(port_url, headers={"Host": host, "e2b-traffic-access-token": "wrong"}, timeout=30)
+    assert r.status_code == 403
+    r = httpx.get(port_url, headers={"Host": host, "e2b-traffic-access-token": b_token}, timeout=30)
+    assert r.status_code == 200 and r.text.strip() == "served-by-b"
+
     # pause and resume: the guest's network is back
     assert c.post(f"/sandboxes/{b}/pause").status_code == 204
     assert c.post(f"/sandboxes/{b}/resume", json={}).status_code == 201
     assert fetch(node, b, WEB.format("web1.test")) == "this is web1"
+    sample = c.get(f"/sandboxes/{b}/metrics").json()[0]
+    assert sample["netSentBytes"] > 0 and sample["netReceivedBytes"] > 0, sample
+    scraped = node.admin.get("/metrics").text
+    assert f'strata_sandbox_network_bytes{{direction="received",sandbox="{b}"}}' in scraped
 
     # a fork: its own address, the same reach
     r = c.post(f"/sandboxes/{b}/fork", json={"count": 1})
@@ -192,10 +211,72 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
     assert fetch(node, f, WEB.format(web2)) == "this is web2"
     assert fetch(node, b, WEB.format(web2)) == "this is web2"
 
+    _cli(node, f, f_addr, web1, web2)
+
     for sid in (b, f):
         assert c.delete(f"/sandboxes/{sid}").status_code == 204
     assert leftovers(lab, node, [a, b, f]) == []
     print(json.dumps({"a": a_addr, "b": b_addr, "fork": f_addr}))
+
+
+def _cli(node: NodeServer, sid: str, address: str, web1: str, web2: str) -> None:
+    """`strata sandbox network`, run where the node runs (its namespaces are
+    visible only inside the node's mount namespace: the test runs it with `ip netns exec`)."""
+    assert node.proc is not None
+    cli = ["nsenter", "-t", str(node.proc.pid), "-m", "-n", "--", str(ROOT / ".venv/bin/strata"), "sandbox",
+           "network", sid]
+    r = subprocess.run([*cli, "--json"], env=node.env, capture_output=True, text=True, timeout=60)
+    info = json.loads(r.stdout)
+    assert info["address"] == address and info["internet"] is True and info["counters"]["sent_bytes"] > 0, info
+    r = subprocess.run([*cli, "--no-internet", "--allow-out", web1], env=node.env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "internet denied" in r.stdout and web1 in r.stdout, r.stderr
+    assert fetch(node, sid, WEB.format(web2)) is None
+    assert fetch(node, sid, WEB.format(web1)) == "this is web1"
+    r = subprocess.run([*cli, "--deny-out", "10.0.0.0/33"], env=node.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "10.0.0.0/33" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert node.client.get(f"/sandboxes/{sid}").json()["network"]["allowOut"] == [f"{web1}/32"]  # unchanged
+
+
+WS_SERVER = r"""key=""
+while IFS= read -r line; do
+  line=$(printf %s "$line" | tr -d '\r')
+  [ -z "$line" ] && break
+  case "$line" in [Ss]ec-[Ww]eb[Ss]ocket-[Kk]ey:*) key=$(printf %s "${line#*:}" | tr -d ' ') ;; esac
+done
+accept=$(printf %s "${key}258EAFA5-E914-47DA-95CA-C5AB0DC85B11" | sha1sum | cut -d' ' -f1 | xxd -r -p | base64)
+printf 'HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n'
+printf 'Sec-WebSocket-Accept: %s\r\n\r\n' "$accept"
+printf '\201\024hello from the guest'
+sleep 3
+"""
+
+
+def _ports(node: NodeServer, sid: str) -> None:
+    """a's port 7000 (busybox httpd) through the node's port proxy, by Host;
+    a WebSocket one (a shell script speaking RFC 6455's handshake) on 7002."""
+    url = f"http://{node.host}:{node.port}/"
+    r = httpx.get(url, headers={"Host": f"7000-{sid}.sandboxes.test"}, timeout=30)  # no API key: a public URL
+    assert r.status_code == 200 and r.text.strip() == "served-by-a", r.text
+    r = httpx.get(url, headers={"Host": f"7001-{sid}.sandboxes.test"}, timeout=30)
+    assert r.status_code == 502 and "port 7001" in r.json()["message"]
+    r = httpx.get(url, headers={"Host": f"7000-sbnosuchthing.sandboxes.test"}, timeout=30)
+    assert r.status_code == 404
+    assert httpx.get(f"{url}health", timeout=30).status_code == 200  # other hosts: the API as before
+
+    guest_run(node, sid, f"cat > /tmp/ws.sh <<'EOF'\n{WS_SERVER}EOF\nsetsid nc -l -p 7002 -e sh /tmp/ws.sh "
+                         ">/dev/null 2>&1 &")
+    time.sleep(0.5)
+    with socket.create_connection((node.host, node.port), timeout=30) as conn:
+        conn.sendall(f"GET /chat HTTP/1.1\r\nHost: 7002-{sid}.sandboxes.test\r\nUpgrade: websocket\r\n"
+                     "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        reply = b""
+        while b"hello from the guest" not in reply:
+            block = conn.recv(4096)
+            assert block, reply
+            reply += block
+    assert reply.startswith(b"HTTP/1.1 101") and b"s3pPLMBiTxaQ9kYGzzhZRbK+xOo=" in reply  # RFC 6455's example
 
 
 def _wait(check, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001

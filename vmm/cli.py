@@ -22,6 +22,7 @@ from layerstore.cli import StoreContext, human_bytes, parse_size
 from layerstore.errors import InvalidInput, StrataError
 
 from .backend import BACKENDS
+from .egress import Egress
 from .registry import MAX_FORKS
 
 if TYPE_CHECKING:  # loads the store's modules: only when a command runs
@@ -55,8 +56,9 @@ def cmd_boot(args: argparse.Namespace, ctx: NodeContext) -> int:
     if not (node.guest_dir / "vmlinuz").exists():
         raise InvalidInput(f"no guest kernel in {node.guest_dir}: build one with `bash {GUEST_BUILD} "
                            f"{node.guest_dir}` (or run `strata sandbox demo`)")
+    egress = _egress(args, ctx)
     with out.status(f"booting {args.image}"):
-        sb = node.boot(args.image, sid=args.id, memory_mib=args.memory, disk_size=args.disk_size)
+        sb = node.boot(args.image, sid=args.id, memory_mib=args.memory, disk_size=args.disk_size, egress=egress)
     out.result(_row(sb), f"{sb.sid} running ({args.image}, booted in {sb.timings['boot']:.1f} s)")
     return 0
 
@@ -64,9 +66,44 @@ def cmd_boot(args: argparse.Namespace, ctx: NodeContext) -> int:
 def cmd_restore(args: argparse.Namespace, ctx: NodeContext) -> int:
     out = ctx.out
     node = ctx.sandboxes()
+    egress = _egress(args, ctx)
     with out.status(f"restoring {args.snapshot[:16]}"):
-        sb = node.restore(args.snapshot, sid=args.id)
+        sb = node.restore(args.snapshot, sid=args.id, egress=egress)
     out.result(_row(sb), f"{sb.sid} running (restored in {sb.timings['restore'] * 1e3:.0f} ms)")
+    return 0
+
+
+def _egress(args: argparse.Namespace, ctx: NodeContext, current: Egress | None = None) -> Egress:
+    """--allow-out/--deny-out/--[no-]internet as rules (validated: a bad one is a clear error)."""
+    if args.internet is not None:
+        internet = args.internet
+    elif current is not None:
+        internet = current.internet
+    else:
+        internet = ctx.config.network_internet == "true"
+    return Egress.parse(internet, args.allow_out or [], args.deny_out or [])
+
+
+def cmd_network(args: argparse.Namespace, ctx: NodeContext) -> int:
+    """Show a sandbox's network; with rule options, replace its rules first."""
+    out = ctx.out
+    node = ctx.sandboxes()
+    record = node.registry.load(args.sid)
+    if args.allow_out is not None or args.deny_out is not None or args.internet is not None:
+        record = node.set_egress(args.sid, _egress(args, ctx, Egress.of(record.network)))
+    if record.network is None:
+        out.result({"sid": args.sid, "network": None}, f"{args.sid} has no network")
+        return 0
+    rules = Egress.of(record.network)
+    info: dict[str, Any] = {"sid": args.sid, **rules.as_record(), "address": None}
+    if node.network is not None and record.state != "suspended":
+        info["address"] = node.network.link(args.sid).outside
+        info["counters"] = node.network.counters(args.sid)
+    out.result(info, "\n".join([
+        f"{args.sid}  address {info['address'] or '-'}  internet {'allowed' if rules.internet else 'denied'}",
+        f"allow out: {', '.join(rules.allow) or '-'}", f"deny out:  {', '.join(rules.deny) or '-'}",
+        *([f"sent {info['counters'].get('sent_bytes', 0)} B, received {info['counters'].get('received_bytes', 0)} B"]
+          if "counters" in info else [])]))
     return 0
 
 
@@ -237,11 +274,18 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", type=int, metavar="MIB", help="guest memory (default 256)")
     p.add_argument("--disk-size", type=parse_size, metavar="SIZE",
                    help="a disk larger than the image (e.g. 4G); the guest's root filesystem grows into it")
+    _rule_options(p)
     p.set_defaults(func=cmd_boot)
     p = sv.add_parser("restore", parents=parents, help="start a new sandbox from a snapshot (lazily loaded)")
     p.add_argument("snapshot", metavar="SNAPSHOT_ID")
     p.add_argument("--id", metavar="SID")
+    _rule_options(p)
     p.set_defaults(func=cmd_restore)
+    p = sv.add_parser("network", parents=parents, help="show a sandbox's network; with rule options, replace "
+                                                        "its egress rules (applied at its next packet)")
+    p.add_argument("sid", metavar="SID")
+    _rule_options(p)
+    p.set_defaults(func=cmd_network)
     p = sv.add_parser("ls", parents=parents, help="list this node's sandboxes")
     p.set_defaults(func=cmd_ls)
     p = sv.add_parser("exec", parents=parents, help="run a shell command in a sandbox; exits with its code "
@@ -272,3 +316,15 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--id", metavar="SID")
     p.add_argument("--keep", action="store_true", help="leave the sandboxes running")
     p.set_defaults(func=cmd_demo)
+
+
+def _rule_options(p: argparse.ArgumentParser) -> None:
+    """The egress rule options (vmm/egress.py), the same on every command that takes them."""
+    p.add_argument("--allow-out", action="append", metavar="RULE",
+                   help="CIDR, IP or domain (example.com, *.example.com) the sandbox may reach; beats --deny-out "
+                        "(repeatable)")
+    p.add_argument("--deny-out", action="append", metavar="RULE", help="CIDR or IP it may not reach (repeatable)")
+    p.add_argument("--internet", dest="internet", action="store_true", default=None,
+                   help="allow every address not denied (default: config network.internet)")
+    p.add_argument("--no-internet", dest="internet", action="store_false",
+                   help="deny every address not allowed")

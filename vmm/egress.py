@@ -111,7 +111,7 @@ def _rules(value: Any, field: str, *, domains: bool = False) -> list[str]:
 
 
 def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, blocked: tuple[str, ...],
-            replace: bool) -> str:
+            replace: bool, max_connections: int = 0, bandwidth: int = 0) -> str:
     """The sandbox namespace's nftables script (`nft -f -`), one transaction.
 
         guest 172.16.0.2 --tap0--> [ns: dnat :53 -> node resolver; egress chain; snat -> outside] --eth0--> node
@@ -120,7 +120,10 @@ def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, blocked
     listens on `dns_port`), `outside` the namespace's own address. With
     `replace` the filter sets and the egress chain are swapped in place
     (learned domain addresses are kept unless the domains changed: the caller
-    flushes them then), otherwise the whole table is created.
+    flushes them then), otherwise the whole table is created, with the
+    node's limits: at most `max_connections` open connections from the
+    guest, `bandwidth` bytes per second each way (0: none; packets over
+    either are dropped, which TCP senders slow down for).
     """
     sets = {"allow": rules.allowed_nets, "deny": list(rules.deny), "blocked": list(blocked)}
     verdict = "accept" if rules.internet else "drop"
@@ -155,6 +158,10 @@ def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, blocked
         "  chain filter_forward { type filter hook forward priority filter; policy drop;",
         "    iifname \"tap0\" counter name \"sent\"",
         "    oifname \"tap0\" counter name \"received\"",
+        *([f"    iifname \"tap0\" ct state new ct count over {max_connections} drop"] if max_connections else []),
+        *([f"    iifname \"tap0\" limit rate over {bandwidth} bytes/second burst {bandwidth} bytes drop",
+           f"    oifname \"tap0\" limit rate over {bandwidth} bytes/second burst {bandwidth} bytes drop"]
+          if bandwidth else []),
         "    iifname \"eth0\" oifname \"tap0\" ct state established,related accept",
         "    iifname \"eth0\" oifname \"tap0\" ct status dnat accept",
         "    iifname \"tap0\" oifname \"eth0\" ct direction reply accept",  # answers to the node's port proxy

@@ -70,7 +70,7 @@ def guest_cmdline() -> str:
 
 class Network:
     def __init__(self, root: Path, *, pool: str = DEFAULT_POOL, dns_port: int = DEFAULT_DNS_PORT,
-                 blocked: tuple[str, ...] = DEFAULT_BLOCKED) -> None:
+                 blocked: tuple[str, ...] = DEFAULT_BLOCKED, max_connections: int = 0, bandwidth: int = 0) -> None:
         self.slots = root / "slots"
         self.slots.mkdir(parents=True, exist_ok=True)
         self.pool = ipaddress.ip_network(pool)
@@ -79,6 +79,7 @@ class Network:
         self.size = self.pool.num_addresses // 4
         self.dns_port = dns_port
         self.blocked = tuple(blocked)
+        self.limits = {"max_connections": max_connections, "bandwidth": bandwidth}
         self._prepared = False
 
     # the node -------------------------------------------------------------------------
@@ -241,7 +242,7 @@ table ip strata {{
             f"route add default via {link.gateway}\ntuntap add dev tap0 mode tap\n"
             f"link set tap0 address {TAP_MAC}\naddr add {GUEST_GATEWAY}/{GUEST_PREFIX} dev tap0\nlink set tap0 up\n"))
         script = ruleset(rules, gateway=link.gateway, outside=link.outside, dns_port=self.dns_port,
-                         blocked=self.blocked, replace=False)
+                         blocked=self.blocked, replace=False, **self.limits)
         _run(["ip", "netns", "exec", link.netns, "sh", "-c", "sysctl -qw net.ipv4.ip_forward=1 && nft -f -"],
              stdin=script)
 

@@ -80,6 +80,7 @@ class SandboxRecord:
     recovered: str = ""  # what recovery did to this sandbox after a failure of the node, and when
     env: dict[str, str] = field(default_factory=dict)  # given to every process the API starts in it
     access_token: str = ""  # the API's data-plane token for this sandbox (opaque to the VMM layer)
+    traffic_token: str = ""  # the API's token for the sandbox's ports; "" = they are public
     cwd: str = ""  # default working directory of the processes the API starts (an image's WorkingDir)
     user: str = ""  # default user of those processes (an image's User)
     network: dict | None = None  # egress rules (vmm/egress.py) when the VM has a NIC; None = no network

@@ -24,8 +24,9 @@ def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: Caller
         net = body.network or m.SandboxNetwork()
         record = node.create(caller, body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
                              metadata=body.metadata, env=body.envVars, disk_mb=body.diskSizeMB,
-                             egress=node.egress(body.allow_internet_access, net.allowOut, net.denyOut))
-    return m.Sandbox.of(record)
+                             egress=node.egress(body.allow_internet_access, net.allowOut, net.denyOut),
+                             public=net.allowPublicTraffic is not False)
+    return m.Sandbox.of(record, domain=node.domain)
 
 
 @router.get("/sandboxes", response_model=list[m.ListedSandbox])
@@ -56,8 +57,8 @@ def many_metrics(node: NodeDep, caller: CallerDep,
     sids = [s for s in sandbox_ids.split(",") if s][:100]
     out = {}
     for sid in sids:
-        at, sample = node.metrics_of(caller, sid)
-        out[sid] = m.SandboxMetric.of(at, sample)
+        at, sample, traffic = node.metrics_of(caller, sid)
+        out[sid] = m.SandboxMetric.of(at, sample, traffic)
     return m.SandboxesWithMetrics(sandboxes=out)
 
 
@@ -67,10 +68,10 @@ def sandbox_metrics(sandboxID: str, node: NodeDep, caller: CallerDep,
                     start: int | None = Query(None, description="unix seconds; a sample before it is not returned"),
                     end: int | None = Query(None, description="unix seconds; a sample after it is not returned")
                     ) -> list[m.SandboxMetric]:
-    at, sample = node.metrics_of(caller, sandboxID)
+    at, sample, traffic = node.metrics_of(caller, sandboxID)
     if (start is not None and at < start) or (end is not None and at > end + 1):
         return []
-    return [m.SandboxMetric.of(at, sample)]
+    return [m.SandboxMetric.of(at, sample, traffic)]
 
 
 @router.get("/sandboxes/{sandboxID}/logs", response_model=m.SandboxLogs,
@@ -124,7 +125,7 @@ def resume_sandbox(sandboxID: str, response: Response, node: NodeDep, caller: Ca
                    body: m.ResumedSandbox | None = None) -> m.Sandbox:
     with vmm_timing(node, response):
         record = node.resume(caller, sandboxID, body.timeout if body else None)
-    return m.Sandbox.of(record)
+    return m.Sandbox.of(record, domain=node.domain)
 
 
 CONNECT = dict(response_model=m.Sandbox,
@@ -138,7 +139,7 @@ def connect(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep
     with vmm_timing(node, response):
         record, resumed = node.connect(caller, sandboxID, body.timeout if body else None)
     response.status_code = 201 if resumed else 200
-    return m.Sandbox.of(record)
+    return m.Sandbox.of(record, domain=node.domain)
 
 
 @router.put("/sandboxes/{sandboxID}/network", status_code=204,
@@ -168,7 +169,7 @@ def fork(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
     body = body or m.SandboxForkRequest()  # E2B's body is optional: one fork, the default lifetime
     with vmm_timing(node, response):
         records = node.fork(caller, sandboxID, body.count, body.timeout)
-    return [m.SandboxForkResult(sandbox=m.Sandbox.of(r)) for r in records]
+    return [m.SandboxForkResult(sandbox=m.Sandbox.of(r, domain=node.domain)) for r in records]
 
 
 @router.post("/sandboxes/{sandboxID}/exec", response_model=m.ExecResult,
