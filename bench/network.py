@@ -95,6 +95,7 @@ def inner(args: argparse.Namespace) -> int:
     from vmm.sandbox import Sandboxes
 
     work, guest = Path(args.workdir), Path(args.guest)
+    (work / "node").mkdir(exist_ok=True)
     m = Mount(work / "node", cache_size="1G")
     m.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
     m.start()
@@ -105,13 +106,13 @@ def inner(args: argparse.Namespace) -> int:
     without = Sandboxes(store, m.client, QemuBackend(accel=detect()), guest_dir=guest, work_root=work / "vms-plain")
     out: dict[str, object] = {}
     try:
-        for label, boxes in (("with_network", with_net), ("without_network", without)):
+        for label, tag, boxes in (("with_network", "net", with_net), ("without_network", "bare", without)):
             boots, restores = [], []
             for i in range(3):
-                boots.append(boxes.boot("guest:v1", sid=f"{label[:4]}{i}").timings["boot"])
-            snapshot = boxes.snapshot(f"{label[:4]}0")
+                boots.append(boxes.boot("guest:v1", sid=f"{tag}{i}").timings["boot"])
+            snapshot = boxes.snapshot(f"{tag}0")
             for i in range(3):
-                restores.append(boxes.restore(snapshot, sid=f"{label[:4]}r{i}").timings["restore"])
+                restores.append(boxes.restore(snapshot, sid=f"{tag}r{i}").timings["restore"])
             out[label] = {"boot_s": statistics.median(boots), "restore_ms": statistics.median(restores) * 1e3}
         attach = []
         for _ in range(20):
@@ -120,11 +121,18 @@ def inner(args: argparse.Namespace) -> int:
             network.detach("bench-probe")
             attach.append((time.monotonic() - started) * 1e3)
         out["attach_detach_ms"] = statistics.median(attach)
-        sid = "with0"
-        out["rules_off"] = _guest_transfers(with_net, sid, args.url)
+        sid = "net0"
         many = [f"10.{i}.0.0/16" for i in range(100, 200)] + [f"172.20.{i}.0/24" for i in range(100)]
-        with_net.set_egress(sid, Egress.parse(False, [args.url.split("//")[1].split(":")[0]], many))
-        out["rules_on"] = _guest_transfers(with_net, sid, args.url)
+        rules = {"rules_off": Egress(), "rules_on": Egress.parse(False, [args.url.split("//")[1].split(":")[0]], many)}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in rules}
+        _guest_transfers(with_net, sid, args.url)  # warm up: the guest's page cache, TCP, wget's pages
+        for _ in range(5):  # alternate, so drift in a noisy machine hits both alike
+            for name, egress in rules.items():
+                with_net.set_egress(sid, egress)
+                runs[name].append(_guest_transfers(with_net, sid, args.url))
+        for name, samples in runs.items():
+            out[name] = {**{key: statistics.median(s[key] for s in samples) for key in samples[0]},
+                         "samples": samples}
     finally:
         for boxes in (with_net, without):
             for record in boxes.registry.all():

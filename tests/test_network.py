@@ -76,7 +76,7 @@ def leftovers(lab: Lab, node: NodeServer, sids: list[str]) -> list[str]:
     found = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
              if ns in {f"strata-{s}" for s in sids}]
     links = subprocess.run([*lab.prefix("node"), "ip", "-o", "link"], capture_output=True, text=True).stdout
-    found += [line.split(":")[1].strip() for line in links.splitlines() if ": stv" in line]
+    found += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ": stv" in line]
     slots = node.tmp / "state" / "network" / "slots"
     found += [f"lease {p.name}" for p in slots.iterdir()] if slots.exists() else []
     return found
@@ -97,7 +97,10 @@ def test_sandbox_networks(guest: Path, tmp_path: Path) -> None:
                                              lab.addrs[name], "--directory", str(root), "8000"],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         web1, web2 = lab.addrs["web1"], lab.addrs["web2"]
-        node = NodeServer(tmp_path / "node", guest, host=lab.addrs["node"], prefix=lab.prefix("node"),
+        # nsenter, not `ip netns exec`: the node keeps the host's mount namespace, as in production, so
+        # the namespaces it makes for its sandboxes are visible to this test
+        node = NodeServer(tmp_path / "node", guest, host=lab.addrs["node"],
+                          prefix=("nsenter", f"--net=/run/netns/{lab.nodes['node']}", "--"),
                           STRATA_NETWORK_ENABLED="true", STRATA_NETWORK_POOL="10.201.0.0/29",
                           STRATA_DOMAIN="sandboxes.test",
                           STRATA_NETWORK_HOSTS=f"web1.test={web1},web2.test={web2},api.web1.test={web1}",
@@ -213,18 +216,30 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
 
     _cli(node, f, f_addr, web1, web2)
 
+    # a VM that dies while the node is down: the restarted node removes its network, keeps the others
+    node.stop()
+    pid = _pid(node, f)
+    os.kill(pid, 9)
+    with lab.inside("hub"):
+        node.start()
+    assert c.get(f"/sandboxes/{f}").json()["state"] == "paused"
+    assert sorted(leftovers(lab, node, [a, b, f])) == sorted([f"strata-{b}", "stv0", "lease 0"])
+    assert fetch(node, b, WEB.format(web1)) == "this is web1"
+
     for sid in (b, f):
         assert c.delete(f"/sandboxes/{sid}").status_code == 204
     assert leftovers(lab, node, [a, b, f]) == []
     print(json.dumps({"a": a_addr, "b": b_addr, "fork": f_addr}))
 
 
+def _pid(node: NodeServer, sid: str) -> int:
+    record = json.loads((node.tmp / "state" / "sandboxes" / sid / "sandbox.json").read_text())
+    return int(record["pid"])
+
+
 def _cli(node: NodeServer, sid: str, address: str, web1: str, web2: str) -> None:
-    """`strata sandbox network`, run where the node runs (its namespaces are
-    visible only inside the node's mount namespace: the test runs it with `ip netns exec`)."""
-    assert node.proc is not None
-    cli = ["nsenter", "-t", str(node.proc.pid), "-m", "-n", "--", str(ROOT / ".venv/bin/strata"), "sandbox",
-           "network", sid]
+    """`strata sandbox network` beside the node."""
+    cli = [str(ROOT / ".venv/bin/strata"), "sandbox", "network", sid]
     r = subprocess.run([*cli, "--json"], env=node.env, capture_output=True, text=True, timeout=60)
     info = json.loads(r.stdout)
     assert info["address"] == address and info["internet"] is True and info["counters"]["sent_bytes"] > 0, info

@@ -231,12 +231,16 @@ table ip strata {{
                             "sandbox slots are leased (config network.pool sets a larger one)")
 
     def _build(self, link: Link, rules: Egress) -> None:
+        """Three processes: the namespace and the node's end, the namespace's
+        inside, its rules (what a boot or restore pays, bench/network.py)."""
         host_if = f"{HOST_PREFIX}{link.slot}"
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)  # a dead namespace's leftover
-        subprocess.run(["ip", "netns", "del", link.netns], capture_output=True)
-        _run(["ip", "netns", "add", link.netns])
-        _run(["ip", "-b", "-"], stdin=f"link add {host_if} type veth peer name eth0 netns {link.netns}\n"
-                                      f"addr add {link.gateway}/30 dev {host_if}\nlink set {host_if} up\n")
+        node_side = (f"netns add {link.netns}\nlink add {host_if} type veth peer name eth0 netns {link.netns}\n"
+                     f"addr add {link.gateway}/30 dev {host_if}\nlink set {host_if} up\n")
+        try:
+            _run(["ip", "-b", "-"], stdin=node_side)
+        except NetworkError:  # a leftover of a namespace that died uncleanly: remove it, once
+            self._remove(link.slot, link.sid, keep_lease=True)
+            _run(["ip", "-b", "-"], stdin=node_side)
         _run(["ip", "-n", link.netns, "-b", "-"], stdin=(
             f"link set lo up\nlink set eth0 up\naddr add {link.outside}/30 dev eth0\n"
             f"route add default via {link.gateway}\ntuntap add dev tap0 mode tap\n"
@@ -246,10 +250,11 @@ table ip strata {{
         _run(["ip", "netns", "exec", link.netns, "sh", "-c", "sysctl -qw net.ipv4.ip_forward=1 && nft -f -"],
              stdin=script)
 
-    def _remove(self, slot: int, sid: str) -> None:
+    def _remove(self, slot: int, sid: str, *, keep_lease: bool = False) -> None:
         subprocess.run(["ip", "link", "del", f"{HOST_PREFIX}{slot}"], capture_output=True)
         subprocess.run(["ip", "netns", "del", f"strata-{sid}"], capture_output=True)
-        (self.slots / str(slot)).unlink(missing_ok=True)
+        if not keep_lease:
+            (self.slots / str(slot)).unlink(missing_ok=True)
 
 
 def _lease_record(sid: str, rules: Egress) -> bytes:
