@@ -99,6 +99,7 @@ class NodeContext:
         if c.network_enabled != "true":
             return None
         return Network(c.state_dir / "network", pool=c.network_pool, dns_port=c.network_dns_port,
+                       gate_port=c.network_gate_port,
                        blocked=c.network_blocked, max_connections=c.network_max_connections,
                        bandwidth=c.network_bandwidth)
 

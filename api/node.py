@@ -39,6 +39,7 @@ from layerstore.refs import parse_ref
 from layerstore.store import Store
 from layerstore.templates import check_template_name
 from vmm.agent import Agent, GuestMetrics
+from vmm.domain_gate import DomainGate
 from vmm.egress import Egress
 from vmm.events import LEVELS, Event
 from vmm.registry import SandboxRecord, new_sid
@@ -82,6 +83,7 @@ class Node:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._resolver: Resolver | None = None
+        self._gate: DomainGate | None = None
         self._vmm_time = threading.local()
         self._pool_lock = threading.Lock()
         self._pool_retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
@@ -122,6 +124,8 @@ class Node:
             self._resolver = Resolver(network, port=self.config.network_dns_port, hosts=self.config.network_hosts,
                                       upstream=list(self.config.network_upstream_dns) or None)
             self._resolver.start()
+            self._gate = DomainGate(network, self._resolver.lookup, port=self.config.network_gate_port)
+            self._gate.start()
         for target in (self._reaper, self._pooler):
             thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
             thread.start()
@@ -153,6 +157,8 @@ class Node:
         self._stop.set()
         if self._resolver is not None:
             self._resolver.stop()
+        if self._gate is not None:
+            self._gate.stop()
         for thread in self._threads:
             thread.join(timeout=30)
 

@@ -272,6 +272,8 @@ class NodeConfig:
     network_blocked: tuple[str, ...] = _setting("169.254.0.0/16", _list, "addresses no sandbox reaches, "
                                                                          "whatever its rules (CIDRs)")
     network_dns_port: int = _setting("10053", _port, "port of the node's resolver for its sandboxes")
+    network_gate_port: int = _setting("10054", _port, "port of the node's domain gate (Host/SNI checks of web "
+                                                      "traffic from sandboxes whose rules allow domains)")
     network_upstream_dns: tuple[str, ...] = _setting("", _list, "servers the resolver asks, IP[:PORT],... "
                                                                 "(default: /etc/resolv.conf's)")
     network_hosts: dict[str, str] = _setting("", _hosts, "names the resolver answers itself: NAME=IP,...")

@@ -51,7 +51,7 @@ def test_bad_shapes() -> None:
 
 def test_scripts_say_what_the_rules_say() -> None:
     rules = Egress.parse(False, ["10.0.0.1", "example.com"], ["10.0.0.0/8"])
-    full = ruleset(rules, gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, blocked=("169.254.0.0/16",),
+    full = ruleset(rules, gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, gate_port=10054, blocked=("169.254.0.0/16",),
                    replace=False)
     assert "elements = { 10.0.0.1/32 }" in full and "elements = { 10.0.0.0/8 }" in full
     assert "snat ip to 10.201.0.2" in full and "dnat ip to 10.201.0.1:10053" in full
@@ -59,7 +59,7 @@ def test_scripts_say_what_the_rules_say() -> None:
     # order is the semantics: blocked, then allow (beats deny), then deny, then the default
     assert egress.index("@blocked") < egress.index("@allow") < egress.index("@learned") < egress.index("@deny")
     assert [line.strip() for line in egress.splitlines() if line.strip() not in ("", "}")][-1] == "drop"
-    update = ruleset(Egress.parse(True), gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, blocked=(),
+    update = ruleset(Egress.parse(True), gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, gate_port=10054, blocked=(),
                      replace=True)
     assert "flush set inet strata allow" in update and "add element" not in update
     assert update.strip().endswith("add rule inet strata egress accept")
@@ -68,14 +68,14 @@ def test_scripts_say_what_the_rules_say() -> None:
 @pytest.mark.skipif(shutil.which("nft") is None or os.geteuid() != 0, reason="nft -c needs nftables and root")
 def test_nft_accepts_the_scripts() -> None:
     rules = Egress.parse(False, ["10.0.0.1", "*.example.com"], ["10.0.0.0/8", "172.16.5.5"])
-    full = ruleset(rules, gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, blocked=("169.254.0.0/16",),
+    full = ruleset(rules, gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, gate_port=10054, blocked=("169.254.0.0/16",),
                    replace=False)
     result = subprocess.run(["nft", "-c", "-f", "-"], input=full, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 def test_limits_are_in_the_table_only_when_set() -> None:
-    args = dict(gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, blocked=(), replace=False)
+    args = dict(gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, gate_port=10054, blocked=(), replace=False)
     plain = ruleset(Egress(), **args)  # type: ignore[arg-type]
     assert "ct count" not in plain and "limit rate" not in plain
     limited = ruleset(Egress(), max_connections=50, bandwidth=1 << 20, **args)  # type: ignore[arg-type]
@@ -83,3 +83,13 @@ def test_limits_are_in_the_table_only_when_set() -> None:
     if shutil.which("nft") and os.geteuid() == 0:
         result = subprocess.run(["nft", "-c", "-f", "-"], input=limited, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
+
+
+def test_the_domain_gate_only_when_domains_are_allowed_and_the_rest_denied() -> None:
+    args = dict(gateway="10.201.0.1", outside="10.201.0.2", dns_port=10053, gate_port=10054, blocked=(), replace=False)
+    for rules, gated in ((Egress.parse(False, ["example.com"]), True), (Egress.parse(True, ["example.com"]), False),
+                         (Egress.parse(False, ["10.0.0.1"]), False)):
+        nat_in = ruleset(rules, **args).split("chain nat_in")[1].split("\n  }")[0]  # type: ignore[arg-type]
+        assert ("dnat ip to 10.201.0.1:10054" in nat_in) is gated and rules.gated is gated
+        update = ruleset(rules, **{**args, "replace": True})  # type: ignore[arg-type]
+        assert ("dnat ip to 10.201.0.1:10054" in update) is gated and "flush chain inet strata nat_in" in update

@@ -93,9 +93,10 @@ def test_sandbox_networks(guest: Path, tmp_path: Path) -> None:
             root = tmp_path / name
             root.mkdir()
             (root / "index.html").write_text(f"this is {name}")
-            servers.append(subprocess.Popen([*lab.prefix(name), sys.executable, "-m", "http.server", "--bind",
-                                             lab.addrs[name], "--directory", str(root), "8000"],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            for port in ("8000", "80"):
+                servers.append(subprocess.Popen([*lab.prefix(name), sys.executable, "-m", "http.server", "--bind",
+                                                 lab.addrs[name], "--directory", str(root), port],
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         web1, web2 = lab.addrs["web1"], lab.addrs["web2"]
         # nsenter, not `ip netns exec`: the node keeps the host's mount namespace, as in production, so
         # the namespaces it makes for its sandboxes are visible to this test
@@ -166,8 +167,12 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
     assert c.put(f"/sandboxes/{a}/network", json={"allowOut": ["web2.test", "*.web1.test"]}).status_code == 204
     assert fetch(node, a, WEB.format(web2)) is None  # nobody asked for web2.test yet
     assert fetch(node, a, WEB.format("web2.test")) == "this is web2"
-    assert fetch(node, a, WEB.format(web1)) is None  # web1.test itself is not *.web1.test
+    assert fetch(node, a, WEB.format(web1)) is None  # nobody asked for a name of web1's yet
     assert fetch(node, a, WEB.format("api.web1.test")) == "this is web1"
+    # port 80 and 443 pass the domain gate, which goes by the name asked for, not the address dialled
+    assert fetch(node, a, f"http://web2.test/") == "this is web2"
+    assert fetch(node, a, f"--header 'Host: other.test' http://{web2}/") is None
+    assert fetch(node, a, f"--header 'Host: web2.test' http://{web1}/") == "this is web2"
 
     # sandboxes cannot reach each other or the node, only the world
     guest_run(node, a, "mkdir -p /tmp/www && echo served-by-a > /tmp/www/index.html && "

@@ -13,6 +13,12 @@ addresses are learned per answer, never by resolving the name once at create.
 Domains only matter where something denies (`internet` off or a deny rule):
 everything else is reachable anyway.
 
+With `internet` off, HTTP and TLS (ports 80 and 443) to an address no CIDR
+rule allows also pass the domain gate (vmm/domain_gate.py), which checks the
+Host header or the TLS server name against the domain rules and connects to
+that name itself: an address learned for an allowed name does not open the
+other names it serves.
+
 Addresses the node blocks for every sandbox (link-local and cloud metadata by
 default, config `network.blocked`) beat every rule.
 
@@ -68,6 +74,11 @@ class Egress:
     def domains(self) -> list[str]:
         return [r for r in self.allow if _is_domain(r)]
 
+    @property
+    def gated(self) -> bool:
+        """Web traffic goes through the domain gate: domains are allowed and the rest denied."""
+        return bool(self.domains) and not self.internet
+
     def allows_name(self, name: str) -> bool:
         """Does a domain rule cover `name` (a DNS query name)?"""
         name = name.rstrip(".").lower()
@@ -110,15 +121,16 @@ def _rules(value: Any, field: str, *, domains: bool = False) -> list[str]:
     return out
 
 
-def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, blocked: tuple[str, ...],
+def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, gate_port: int, blocked: tuple[str, ...],
             replace: bool, max_connections: int = 0, bandwidth: int = 0) -> str:
     """The sandbox namespace's nftables script (`nft -f -`), one transaction.
 
         guest 172.16.0.2 --tap0--> [ns: dnat :53 -> node resolver; egress chain; snat -> outside] --eth0--> node
 
     `gateway` is the node's end of the namespace's link (where the resolver
-    listens on `dns_port`), `outside` the namespace's own address. With
-    `replace` the filter sets and the egress chain are swapped in place
+    listens on `dns_port` and the domain gate, vmm/domain_gate.py, on
+    `gate_port`), `outside` the namespace's own address. With
+    `replace` the filter sets and the nat_in and egress chains are swapped in place
     (learned domain addresses are kept unless the domains changed: the caller
     flushes them then), otherwise the whole table is created, with the
     node's limits: at most `max_connections` open connections from the
@@ -128,16 +140,24 @@ def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, blocked
     sets = {"allow": rules.allowed_nets, "deny": list(rules.deny), "blocked": list(blocked)}
     verdict = "accept" if rules.internet else "drop"
     egress = [f"ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport {dns_port} accept",
+              f"ip daddr {gateway} tcp dport {gate_port} accept",
               "ip daddr @blocked drop", "ip daddr @allow accept", "ip daddr @learned accept",
               "ip daddr @deny drop", verdict]
+    nat_in = [f"iifname \"tap0\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gateway}:{dns_port}",
+              # the node reaches the guest's ports at the namespace's own address (api's port proxy)
+              f"iifname \"eth0\" ip daddr {outside} dnat ip to {GUEST}"]
+    if rules.gated:  # web traffic to addresses no CIDR allows goes through the domain gate
+        nat_in.append(f"iifname \"tap0\" tcp dport {{ 80, 443 }} ip daddr != @allow ip daddr != @blocked "
+                      f"dnat ip to {gateway}:{gate_port}")
     if replace:
         lines = []
         for name, members in sets.items():
             lines.append(f"flush set inet strata {name}")
             if members:
                 lines.append(f"add element inet strata {name} {{ {', '.join(members)} }}")
-        lines.append("flush chain inet strata egress")
-        lines += [f"add rule inet strata egress {rule}" for rule in egress]
+        for chain, chain_rules in (("nat_in", nat_in), ("egress", egress)):
+            lines.append(f"flush chain inet strata {chain}")
+            lines += [f"add rule inet strata {chain} {rule}" for rule in chain_rules]
         return "\n".join(lines) + "\n"
     body = []
     for name, members in sets.items():
@@ -148,9 +168,7 @@ def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, blocked
         "  counter sent { }",
         "  counter received { }",
         "  chain nat_in { type nat hook prerouting priority dstnat;",
-        f"    iifname \"tap0\" meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gateway}:{dns_port}",
-        # the node reaches the guest's ports at the namespace's own address (api's port proxy)
-        f"    iifname \"eth0\" ip daddr {outside} dnat ip to {GUEST}",
+        *[f"    {rule}" for rule in nat_in],
         "  }",
         "  chain nat_out { type nat hook postrouting priority srcnat;",
         f"    oifname \"eth0\" snat ip to {outside}",

@@ -7,6 +7,7 @@
               from stv*: the resolver only              |   snat 172.16.0.2 -> OUTSIDE, counters
     stvS GATEWAY (.1 of slot S) ====== veth ======    eth0
     resolver 0.0.0.0:dns_port (vmm/resolver.py)        tap0 172.16.0.1/30 ---- guest eth0 172.16.0.2/30
+    domain gate 0.0.0.0:gate_port (vmm/domain_gate.py)
 
 Every guest sees the same link (its address, gateway and both MACs), so a
 snapshot restores into any namespace unchanged and the guest's network is
@@ -43,6 +44,7 @@ GUEST_PREFIX = 30
 HOST_PREFIX = "stv"  # the node's end of each sandbox's link: stv<slot>
 DEFAULT_POOL = "10.201.0.0/16"
 DEFAULT_DNS_PORT = 10053
+DEFAULT_GATE_PORT = 10054
 DEFAULT_BLOCKED = ("169.254.0.0/16",)  # link-local, where clouds put their metadata service
 
 
@@ -70,7 +72,8 @@ def guest_cmdline() -> str:
 
 class Network:
     def __init__(self, root: Path, *, pool: str = DEFAULT_POOL, dns_port: int = DEFAULT_DNS_PORT,
-                 blocked: tuple[str, ...] = DEFAULT_BLOCKED, max_connections: int = 0, bandwidth: int = 0) -> None:
+                 gate_port: int = DEFAULT_GATE_PORT, blocked: tuple[str, ...] = DEFAULT_BLOCKED,
+                 max_connections: int = 0, bandwidth: int = 0) -> None:
         self.slots = root / "slots"
         self.slots.mkdir(parents=True, exist_ok=True)
         self.pool = ipaddress.ip_network(pool)
@@ -78,6 +81,7 @@ class Network:
             raise NetworkError(f"network pool {pool} must be an IPv4 network of /29 or larger")
         self.size = self.pool.num_addresses // 4
         self.dns_port = dns_port
+        self.gate_port = gate_port
         self.blocked = tuple(blocked)
         self.limits = {"max_connections": max_connections, "bandwidth": bandwidth}
         self._prepared = False
@@ -100,6 +104,7 @@ table ip strata {{
   chain filter_input {{ type filter hook input priority filter; policy accept;
     iifname "{HOST_PREFIX}*" ct state established,related accept
     iifname "{HOST_PREFIX}*" meta l4proto {{ tcp, udp }} th dport {port} accept
+    iifname "{HOST_PREFIX}*" tcp dport {self.gate_port} accept
     iifname "{HOST_PREFIX}*" drop
   }}
   chain nat_out {{ type nat hook postrouting priority srcnat;
@@ -150,7 +155,7 @@ table ip strata {{
         link = self.link(sid)
         old = self.rules(link.slot)
         script = ruleset(rules, gateway=link.gateway, outside=link.outside, dns_port=self.dns_port,
-                         blocked=self.blocked, replace=True)
+                         gate_port=self.gate_port, blocked=self.blocked, replace=True)
         if old is None or old.domains != rules.domains:
             script += "flush set inet strata learned\n"
         _run(["ip", "netns", "exec", link.netns, "nft", "-f", "-"], stdin=script)
@@ -246,7 +251,7 @@ table ip strata {{
             f"route add default via {link.gateway}\ntuntap add dev tap0 mode tap\n"
             f"link set tap0 address {TAP_MAC}\naddr add {GUEST_GATEWAY}/{GUEST_PREFIX} dev tap0\nlink set tap0 up\n"))
         script = ruleset(rules, gateway=link.gateway, outside=link.outside, dns_port=self.dns_port,
-                         blocked=self.blocked, replace=False, **self.limits)
+                         gate_port=self.gate_port, blocked=self.blocked, replace=False, **self.limits)
         _run(["ip", "netns", "exec", link.netns, "sh", "-c", "sysctl -qw net.ipv4.ip_forward=1 && nft -f -"],
              stdin=script)
 

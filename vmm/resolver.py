@@ -154,6 +154,19 @@ class Resolver:
             log.warning("resolver: %s for sandbox %s: %s", name, link.sid, exc)
             return _response(query, dns.rcode.SERVFAIL).to_wire()
 
+    def lookup(self, name: str) -> list[str]:
+        """IPv4 addresses of `name` as a guest would be told them (the domain gate dials these)."""
+        name = name.lower().rstrip(".")
+        if name in self.hosts:
+            return [self.hosts[name]]
+        if not self.upstream:
+            return []
+        try:
+            response = self._forward(dns.message.make_query(name, dns.rdatatype.A), tcp=False)
+        except (dns.exception.DNSException, OSError):
+            return []
+        return _addresses(response)[0]
+
     def _local(self, query: dns.message.Message, name: str, rdtype: int) -> dns.message.Message:
         response = dns.message.make_response(query)
         response.flags |= dns.flags.AA | dns.flags.RA
