@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import IN_CI, ROOT, needs_qemu
 from tests.netns import Lab
-from tests.node_server import NodeServer
+from tests.node_server import API_KEY, NodeServer
 
 pytestmark = [needs_qemu, pytest.mark.slow, pytest.mark.skipif(
     (os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nft") is None) and not IN_CI,
@@ -188,6 +188,18 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
 
     assert c.delete(f"/sandboxes/{a}").status_code == 204
     assert len(leftovers(lab, node, [a])) == 2  # b's link and lease; nothing of a's
+
+    # the same through the unchanged E2B SDK: rules on create, update_network
+    os.environ.update(E2B_API_URL=node.url, E2B_SANDBOX_URL=node.url, E2B_API_KEY=API_KEY)
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="guest:v1", allow_internet_access=False, network={"allow_out": [web2]})
+    assert sbx.commands.run(f"timeout 4 wget -q -O - {WEB.format(web2)}").stdout.strip() == "this is web2"
+    assert fetch(node, sbx.sandbox_id, WEB.format(web1)) is None
+    sbx.update_network({"allow_out": [web1]})
+    assert fetch(node, sbx.sandbox_id, WEB.format(web1)) == "this is web1"
+    assert fetch(node, sbx.sandbox_id, WEB.format(web2)) is None
+    sbx.kill()
 
     # b's ports need its traffic token
     guest_run(node, b, "mkdir -p /tmp/www && echo served-by-b > /tmp/www/index.html && "
