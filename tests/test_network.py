@@ -103,7 +103,7 @@ def test_sandbox_networks(guest: Path, tmp_path: Path) -> None:
         node = NodeServer(tmp_path / "node", guest, host=lab.addrs["node"],
                           prefix=("nsenter", f"--net=/run/netns/{lab.nodes['node']}", "--"),
                           STRATA_NETWORK_ENABLED="true", STRATA_NETWORK_POOL="10.201.0.0/29",
-                          STRATA_DOMAIN="sandboxes.test",
+                          STRATA_DOMAIN="sandboxes.test", STRATA_NETWORK_MAX_CONNECTIONS="8",
                           STRATA_NETWORK_HOSTS=f"web1.test={web1},web2.test={web2},api.web1.test={web1}",
                           STRATA_NETWORK_UPSTREAM_DNS=lab.addrs["hub"])  # nothing answers there
         node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
@@ -232,6 +232,7 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
     assert fetch(node, b, WEB.format(web2)) == "this is web2"
 
     _cli(node, f, f_addr, web1, web2)
+    _connection_limit(lab, node, b)
 
     # a VM that dies while the node is down: the restarted node removes its network, keeps the others
     node.stop()
@@ -247,6 +248,26 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
         assert c.delete(f"/sandboxes/{sid}").status_code == 204
     assert leftovers(lab, node, [a, b, f]) == []
     print(json.dumps({"a": a_addr, "b": b_addr, "fork": f_addr}))
+
+
+def _connection_limit(lab: Lab, node: NodeServer, sid: str) -> None:
+    """network.max_connections = 8: twelve held connections, at most eight get through."""
+    accepted: list[socket.socket] = []
+    with lab.inside("web1"):
+        server = socket.create_server((lab.addrs["web1"], 9100), backlog=64)
+    server.settimeout(0.5)
+    guest_run(node, sid, f"for i in $(seq 12); do setsid sh -c 'sleep 20 | nc {lab.addrs['web1']} 9100' "
+                         ">/dev/null 2>&1 & done")
+    deadline = time.monotonic() + 8
+    with server:
+        while time.monotonic() < deadline:
+            try:
+                accepted.append(server.accept()[0])
+            except (TimeoutError, socket.timeout):
+                continue
+    for conn in accepted:
+        conn.close()
+    assert 1 <= len(accepted) <= 8, len(accepted)
 
 
 def _pid(node: NodeServer, sid: str) -> int:
