@@ -140,7 +140,7 @@ def import_image(
     try:
         # The lease keeps a concurrent GC from deleting a chunk this import finds
         # already stored (and so does not upload) before the manifest names it.
-        with Lease(store.backend, f"import {path.name}"):
+        with Lease(store.backend, f"import {path.name}") as lease:
             indices = _indices(fd, size, chunk_size, slots)
             if on_total:
                 on_total(_span_bytes(indices, size, chunk_size))
@@ -151,6 +151,7 @@ def import_image(
             layer = Layer(size=size, chunk_size=chunk_size, parent=parent, annotations=annotations or {},
                           chunks=_layer_chunks(digests, parent_map, indices if slots is not None else None,
                                                -(-size // chunk_size)))
+            lease.check()
             result.manifest_id = store.put_layer(layer)
             if target is not None:
                 store.set_ref(target, result.manifest_id)

@@ -7,7 +7,8 @@ A push may skip a chunk the destination already holds; if that chunk were
 unreferenced and a GC deleted it a moment later, the manifest the push then
 publishes would name a missing chunk. So: a writer puts its lease first and
 then waits out any live GC lock; a GC puts its lock first and then deletes
-nothing while any live lease exists. The store reads its own writes (local
+nothing while any live lease exists; and a writer checks its lease is still
+there and was renewed in time (`Lease.check`) right before it publishes. The store reads its own writes (local
 directories, S3, SeaweedFS), so of two that start together one always sees
 the other. Leases are renewed by a heartbeat; one whose holder died expires
 after `ttl` and is ignored (and removed by the next GC).
@@ -74,9 +75,11 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self._renewed = 0.0  # time.monotonic() of the last put that reached the store
 
     def __enter__(self) -> "Lease":
         self.backend.put(self.key, _record(self.ttl, what=self.what))
+        self._renewed = time.monotonic()
         deadline = time.monotonic() + self.gc_wait
         while True:  # lease first, then wait out a GC that is deleting
             lock = read_record(self.backend, GC_LOCK)
@@ -95,8 +98,25 @@ class Lease:
         while not self._stop.wait(self.ttl / 3):
             try:
                 self.backend.put(self.key, _record(self.ttl, what=self.what))
+                self._renewed = time.monotonic()
             except (BackendError, CorruptObject) as exc:  # keep trying; the lease may lapse
                 self.error = exc
+
+    def check(self) -> None:
+        """Call right before publishing: refuse if the lease may have lapsed
+        (no renewal reached the store for most of a ttl, or a GC removed it
+        as expired), since a GC may then have deleted a chunk this writer
+        skipped because it was stored. Nothing published is left broken:
+        the caller publishes nothing and the user runs it again."""
+        quiet = time.monotonic() - self._renewed
+        if quiet > self.ttl * 0.75:
+            raise StrataError(f"the write lease on {self.backend.describe()} went {quiet:.0f} s without a renewal "
+                              f"(ttl {self.ttl:.0f} s; last error: {self.error}); nothing was published: run it again")
+        try:
+            self.backend.get(self.key)
+        except NotFound:
+            raise StrataError(f"the write lease on {self.backend.describe()} was removed as expired (a garbage "
+                              "collection may have run); nothing was published: run it again") from None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

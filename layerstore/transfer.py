@@ -73,7 +73,7 @@ def copy(
     prefetch_lists: dict[str, list[int]] = {}
     if not chunks and prefetch:
         wanted, prefetch_lists = _prefetch_set(src, closure)
-    with Lease(dst.backend, f"copy {name} from {src.describe()}"):
+    with Lease(dst.backend, f"copy {name} from {src.describe()}") as lease:
         sent = sent_bytes = 0
         published_layers = {m for m in closure.layers if dst.has_layer(m)}
         partial = dst.partial_layers(published_layers) if chunks else set()
@@ -105,6 +105,7 @@ def copy(
                 for size in pool.map(one, missing):
                     sent += 1
                     sent_bytes += size
+        lease.check()
         manifests = [m for m in closure.layers if m not in published_layers]
         for layer_id in manifests:
             # refused if a chunk is missing from the destination (or, lazily, from its read path)

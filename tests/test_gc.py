@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layerstore import gc
-from layerstore.errors import BackendUnavailable
+from layerstore.errors import BackendUnavailable, StrataError
 from layerstore.exporter import export_image
 from layerstore.importer import import_image
 from layerstore.lease import GC_LOCK, LEASE_PREFIX, Lease
@@ -99,6 +99,34 @@ def test_a_live_lease_postpones_deletion_and_a_stale_one_expires(store: Store, t
     store.backend.put(f"{LEASE_PREFIX}dead", json.dumps({"holder": "gone:1", "expires": time.time() - 1}).encode())
     report = gc.collect(store, grace=0, now=time.time() + 30)
     assert report.deleted == len(doomed) and keys(store, LEASE_PREFIX) == set()  # expired: ignored, then removed
+
+
+def test_a_writer_whose_lease_lapsed_or_vanished_publishes_nothing(store: Store, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    with Lease(store.backend, "import", ttl=60) as lease:
+        lease.check()  # fresh: fine
+        store.backend.delete(lease.key)  # what a GC does to a lease it found expired
+        with pytest.raises(StrataError, match="removed as expired"):
+            lease.check()
+    with Lease(store.backend, "import", ttl=0.4) as lease:
+        lease._stop.set()  # renewals stall (a store that refuses them, a stopped process)
+        time.sleep(0.4)
+        with pytest.raises(StrataError, match="without a renewal"):
+            lease.check()
+    # an import whose lease is gone before it publishes: no manifest, no ref
+    write_image(tmp_path / "img", "rrp")
+    image = tmp_path / "img"
+    original = Lease.check
+
+    def vanish(lease: Lease) -> None:
+        store.backend.delete(lease.key)
+        original(lease)
+
+    before = keys(store, "manifests/") | keys(store, "refs/")
+    monkeypatch.setattr(Lease, "check", vanish)  # a GC removes the lease just before the import publishes
+    with pytest.raises(StrataError, match="nothing was published"):
+        import_image(store, image, "app:v1")
+    assert keys(store, "manifests/") | keys(store, "refs/") == before
 
 
 def test_a_push_waits_for_a_gc_that_is_deleting(store: Store) -> None:
