@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from layerstore.cli import Output
 from layerstore.config import NodeConfig
-from layerstore.errors import InvalidInput
+from layerstore.errors import Conflict, InvalidInput
 
 if TYPE_CHECKING:  # each part's modules load when a command first asks for that part
     from fusefs.client import MountClient
@@ -69,7 +69,22 @@ class NodeContext:
                 return []
             return [Name("layer", m) for m in client.disk_layers()]
         except DaemonError:
+            live = self._sandboxes_on_the_mount()
+            if live:  # their layers are known only to the daemon: a GC now could delete what they sit on
+                raise Conflict(f"the node's mount daemon ({self.config.mount}) does not answer, so the layers "
+                               f"its {len(live)} sandbox(es) ({', '.join(live[:3])}) sit on are unknown: start "
+                               "it (strata serve, or strata mount) or kill those sandboxes, then run gc again") \
+                    from None
             return []
+
+    def _sandboxes_on_the_mount(self) -> list[str]:
+        """Sandboxes of this node whose disks live on its mount (all but those paused to the store)."""
+        from vmm.registry import Registry
+
+        root = self.config.state_dir / "sandboxes"
+        if not root.exists():
+            return []
+        return sorted(r.sid for r in Registry(root).all() if r.state != "suspended")
 
     def node_snapshot_users(self) -> dict[str, list[str]]:
         from vmm.registry import Registry

@@ -264,3 +264,29 @@ def test_property_everything_named_survives_any_interleaving(ops: list[tuple[str
     finally:
         node.close()
         remote.close()
+
+
+def test_cli_gc_refuses_while_the_node_has_sandboxes_its_mount_daemon_cannot_name(tmp_path: Path) -> None:
+    """`strata gc` adds the layers the node's sandbox disks sit on, which only its mount daemon knows:
+    with the daemon gone and sandboxes still recorded, it refuses and deletes nothing."""
+    from layerstore.store import open_store
+    from tests.test_cli import run
+    from vmm.registry import Registry, SandboxRecord
+
+    env = {"STRATA_STORE": str(tmp_path / "store"), "STRATA_STATE_DIR": str(tmp_path / "state"),
+           "STRATA_RUN_DIR": str(tmp_path / "run")}
+    store = open_store(str(tmp_path / "store"))
+    doomed = garbage(store, tmp_path)
+    registry = Registry(tmp_path / "state" / "sandboxes")
+    registry.save(SandboxRecord("sb1", "qemu", "image:garbage:v9", 256))
+    r = run(["gc", "--grace", "0"], env)
+    assert r.returncode != 0 and "does not answer" in r.stderr and "sb1" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert doomed <= keys(store, "")
+    record = registry.load("sb1")
+    record.state = "suspended"  # paused to the store: its snapshot names its layers
+    registry.save(record)
+    for _ in range(2):  # two phases: candidates, then deletion
+        r = run(["gc", "--grace", "0"], env)
+        assert r.returncode == 0, r.stderr
+    assert not (doomed & keys(store, ""))
