@@ -36,12 +36,21 @@ def check_key(key: str) -> str:
 
 
 class ObjectInfo(NamedTuple):
-    """One listed object. `modified` (unix seconds) is when it was last put:
-    GC never deletes what is younger than its grace period."""
+    """One listed object. `modified` (unix seconds) is when it was last put,
+    by the store's clock: GC never deletes what is younger than its grace
+    period."""
 
     key: str
     size: int
     modified: float
+
+
+class ObjectVersion(NamedTuple):
+    """What `head` says of one object: `version` changes with every put."""
+
+    size: int
+    modified: float
+    version: str
 
 
 @runtime_checkable
@@ -58,6 +67,15 @@ class Backend(Protocol):
       trips as the store allows (it is how imports skip existing chunks).
     - `list` yields an ObjectInfo (key, size, modified) for every key under
       `prefix` (a string prefix of the key), in any order, each once.
+    - `head` returns the object's size, last-modified time (the store's
+      clock) and version (changed by every put), or None if absent.
+    - `put_new` puts only if the key is absent and returns the new version,
+      else None and changes nothing; of concurrent `put_new`s on one key,
+      exactly one succeeds. `put_if` puts only if the object's version is
+      still `version` (None, nothing changed, if it was replaced or
+      deleted). These are what the GC lock is made of (layerstore/lease.py):
+      S3's conditional writes (If-None-Match, If-Match), a hard link and a
+      lock file on a local directory.
     - `delete` removes a key; deleting an absent key is not an error.
       `delete_many` does the same for many keys in as few round trips as the
       store allows (GC's delete phase); it may have removed some keys when
@@ -77,6 +95,12 @@ class Backend(Protocol):
     def has_many(self, keys: Iterable[str]) -> set[str]: ...
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+
+    def head(self, key: str) -> ObjectVersion | None: ...
+
+    def put_new(self, key: str, data: bytes) -> str | None: ...
+
+    def put_if(self, key: str, data: bytes, version: str) -> str | None: ...
 
     def delete(self, key: str) -> None: ...
 
@@ -146,6 +170,18 @@ class RetryingBackend:
     def stat(self, key: str) -> int | None:
         return self._call(lambda: self.inner.stat(key))
 
+    def head(self, key: str) -> ObjectVersion | None:
+        return self._call(lambda: self.inner.head(key))
+
+    # Conditional writes are not retried: a first try that took effect but
+    # lost its answer would make the retry report a conflict with itself.
+    # Their callers (the GC lock) tell that case apart by the record's token.
+    def put_new(self, key: str, data: bytes) -> str | None:
+        return self.inner.put_new(key, data)
+
+    def put_if(self, key: str, data: bytes, version: str) -> str | None:
+        return self.inner.put_if(key, data, version)
+
     def has_many(self, keys: Iterable[str]) -> set[str]:
         keys = list(keys)
         return self._call(lambda: self.inner.has_many(keys))
@@ -190,6 +226,17 @@ class DryRunBackend:
         check_key(key)
         with self._lock:
             self.written.append(key)
+
+    def put_new(self, key: str, data: bytes) -> str | None:
+        self.put(key, data)
+        return "dry-run"
+
+    def put_if(self, key: str, data: bytes, version: str) -> str | None:
+        self.put(key, data)
+        return "dry-run"
+
+    def head(self, key: str) -> ObjectVersion | None:
+        return self.inner.head(key)
 
     def delete(self, key: str) -> None:
         check_key(key)

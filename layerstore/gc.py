@@ -5,7 +5,7 @@ are deleted explicitly: `DELETE /snapshots/{id}`, or a paused sandbox's
 retention running out); their closures (layerstore/reach.py) are marked.
 An unmarked object is deleted only when all of these hold:
 
-    - it is older than the grace period (by the store's put time), so an
+    - it is older than the grace period (by the store's clock, never a node's), so an
       import or push that just wrote it is safe;
     - an earlier GC run recorded it as a candidate at least `grace` ago and
       it is still unmarked now (two phases: `gc/candidates`);
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from .backend import Backend, DryRunBackend
 from .chunk import CHUNK_PREFIX, chunk_key
 from .errors import NotFound, StrataError
-from .lease import LEASE_PREFIX, GcLock, live_leases, read_record
+from .lease import GcLock, expired_leases, live_leases, store_now
 from .manifest import MANIFEST_PREFIX, manifest_key
 from .reach import Closure, Name
 from .store import Store
@@ -107,8 +107,8 @@ def _read_candidates(store: Store) -> dict[str, float]:
 
 def plan(store: Store, *, grace: float = DEFAULT_GRACE, now: float | None = None,
          extra_roots: Iterable[Name] = ()) -> Plan:
-    """What a GC would do now (reads only)."""
-    now = time.time() if now is None else now
+    """What a GC would do now (reads only, but for one tiny object that reads the store's clock)."""
+    now = store_now(store.backend) if now is None else now
     result = Plan(now=now, grace=grace)
     listed = [info for prefix in SWEPT_PREFIXES for info in store.backend.list(prefix)]
     marked, result.missing = mark(store, extra_roots)
@@ -161,9 +161,10 @@ def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
     lock = GcLock(backend)
     other = lock.acquire()
     if other is not None:
-        raise StrataError(f"another GC ({other['holder']}) is running on {store.describe()}")
+        raise StrataError(f"another GC ({other.get('holder', '?')}) is running on {store.describe()}")
     try:
-        leases = live_leases(backend)
+        now = store_now(store.backend)
+        leases = live_leases(backend, now=now)
         if leases:
             postponed = f"{len(leases)} live lease(s), e.g. {next(iter(leases.values())).get('what', '?')}"
             doomed: list[str] = []
@@ -176,6 +177,7 @@ def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
         for kind in (manifests, chunks):
             for start in range(0, len(kind), DELETE_BATCH):
                 batch = kind[start:start + DELETE_BATCH]
+                lock.renew()  # still ours? (a GC that lost its lock deletes nothing more)
                 backend.delete_many(batch)
                 for key in batch:
                     if key.startswith(MANIFEST_PREFIX):  # the catalog is a cache: forgetting is always safe
@@ -184,14 +186,11 @@ def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
                 deleted += len(batch)
                 if progress is not None:
                     progress(len(batch))
-                lock.renew()
         gone = set(doomed)
         remaining = {k: v for k, v in p.candidates.items() if k not in gone}
         backend.put(CANDIDATES, json.dumps(remaining, sort_keys=True).encode())
-        for info in backend.list(LEASE_PREFIX):  # expired leases: their holders died
-            record = read_record(backend, info.key)
-            if record is not None and float(record["expires"]) <= time.time():
-                backend.delete(info.key)
+        for key in expired_leases(backend, now=now):  # their holders died
+            backend.delete(key)
     finally:
         lock.release()
     return deleted, freed, postponed

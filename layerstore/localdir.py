@@ -7,15 +7,18 @@ On-disk layout of a local store directory:
       objects/<key>       one file per object, e.g. objects/chunks/ab/ab12...
       tmp/                temp files; a crash may leave some, ignored and reaped
       catalog/            LMDB catalog (layerstore/catalog.py), not objects
+      .conditional.lock   flock(2)ed by put_if, so compare-and-put is one step
 
 `put` writes a temp file in tmp/ (same filesystem), fsyncs it, renames it into
 place and fsyncs the directory, so an object is either whole and durable or
-absent, whatever moment the process dies at.
+absent, whatever moment the process dies at. `put_new` links the temp file
+into place instead, which fails if the key exists.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 import time
@@ -23,11 +26,12 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .backend import ObjectInfo, check_key
+from .backend import ObjectInfo, ObjectVersion, check_key
 from .errors import AccessDenied, BackendError, InvalidInput, NotFound
 
 MARKER = "strata-store 1\n"
 TMP_MAX_AGE = 24 * 3600
+CONDITIONAL_LOCK = ".conditional.lock"  # held by put_if: compare and put as one step, across processes
 
 
 def _os_error(exc: OSError, what: str) -> Exception:
@@ -83,6 +87,17 @@ class LocalDirBackend:
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
+        tmp = self._write_aside(key, data)
+        try:
+            os.replace(tmp, path)
+            self._sync_dir(path.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise _os_error(exc, f"writing {key}") from None
+
+    def _write_aside(self, key: str, data: bytes) -> Path:
+        """`data` in a temp file of the store (synced), ready to be renamed or linked into place."""
+        path = self._path(key)
         tmp = self._tmp / f"{path.name}.{uuid.uuid4().hex}"
         try:
             self._ensure_dir(path.parent)
@@ -95,19 +110,54 @@ class LocalDirBackend:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
-            if self._fsync:
-                dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
         except OSError as exc:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
+            tmp.unlink(missing_ok=True)
             raise _os_error(exc, f"writing {key}") from None
+        return tmp
+
+    def _sync_dir(self, directory: Path) -> None:
+        if self._fsync:
+            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def head(self, key: str) -> ObjectVersion | None:
+        try:
+            st = os.stat(self._path(key))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _os_error(exc, f"checking {key}") from None
+        return ObjectVersion(st.st_size, st.st_mtime, f"{st.st_ino}.{st.st_mtime_ns}")
+
+    def put_new(self, key: str, data: bytes) -> str | None:
+        """Written aside, then hard-linked into place: link(2) fails if the key exists."""
+        path = self._path(key)
+        tmp = self._write_aside(key, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return None
+        except OSError as exc:
+            raise _os_error(exc, f"writing {key}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._sync_dir(path.parent)
+        info = self.head(key)
+        return info.version if info is not None else None
+
+    def put_if(self, key: str, data: bytes, version: str) -> str | None:
+        """Compare and put under an exclusive lock file every process of the store shares."""
+        with open(self.root / CONDITIONAL_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            current = self.head(key)
+            if current is None or current.version != version:
+                return None
+            self.put(key, data)
+            info = self.head(key)
+            return info.version if info is not None else None
 
     def get(self, key: str) -> bytes:
         path = self._path(key)

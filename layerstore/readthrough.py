@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from .backend import Backend, ObjectInfo
+from .backend import Backend, ObjectInfo, ObjectVersion
 from .errors import BackendUnavailable, CorruptObject, NotFound
 
 Verify = Callable[[str, bytes], None]
@@ -165,6 +165,15 @@ class ReadThroughBackend:
 
     def stat(self, key: str) -> int | None:
         return self.primary.stat(key)
+
+    def head(self, key: str) -> ObjectVersion | None:
+        return self.primary.head(key)
+
+    def put_new(self, key: str, data: bytes) -> str | None:
+        return self.primary.put_new(key, data)
+
+    def put_if(self, key: str, data: bytes, version: str) -> str | None:
+        return self.primary.put_if(key, data, version)
 
     def has_many(self, keys: Iterable[str]) -> set[str]:
         return self.primary.has_many(keys)

@@ -20,7 +20,7 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from .backend import ObjectInfo, check_key, parallel_has
+from .backend import ObjectInfo, ObjectVersion, check_key, parallel_has
 from .errors import AccessDenied, BackendError, BackendUnavailable, InvalidInput, NotFound
 
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "403"}
@@ -121,6 +121,42 @@ class S3Backend:
             self._client.put_object(Bucket=self.config.bucket, Key=self._key(key), Body=data)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise self._error(exc, key) from None
+
+    def head(self, key: str) -> ObjectVersion | None:
+        try:
+            response = self._client.head_object(Bucket=self.config.bucket, Key=self._key(key))
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            err = self._error(exc, key)
+            if isinstance(err, NotFound):
+                return None
+            raise err from None
+        return ObjectVersion(int(response["ContentLength"]), response["LastModified"].timestamp(),
+                             str(response["ETag"]))
+
+    def put_new(self, key: str, data: bytes) -> str | None:
+        return self._conditional_put(key, data, IfNoneMatch="*")
+
+    def put_if(self, key: str, data: bytes, version: str) -> str | None:
+        return self._conditional_put(key, data, IfMatch=version)
+
+    def _conditional_put(self, key: str, data: bytes, **condition: str) -> str | None:
+        """PutObject with If-None-Match/If-Match: the new ETag, or None when
+        the condition failed (412, or 409 when another conditional write of
+        the key raced this one)."""
+        try:
+            response = self._client.put_object(Bucket=self.config.bucket, Key=self._key(key), Body=data,
+                                               **condition)
+        except botocore.exceptions.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in ("412", "409"):
+                return None
+            if code in ("NoSuchKey", "NotFound") and "IfMatch" in condition:
+                return None
+            raise self._error(exc, key) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise self._error(exc, key) from None
+        return str(response["ETag"])
 
     def get(self, key: str) -> bytes:
         try:

@@ -108,6 +108,45 @@ def test_concurrent_puts_of_same_key_leave_one_whole_value(backend: Backend, req
     assert backend.get("chunks/cc/same") in values
 
 
+def test_head_gives_size_store_time_and_a_version_that_changes_with_each_put(backend: Backend) -> None:
+    assert backend.head("locks/h") is None
+    backend.put("locks/h", b"one")
+    first = backend.head("locks/h")
+    assert first is not None and first.size == 3 and first.version and abs(first.modified - time.time()) < 300
+    backend.put("locks/h", b"other")
+    second = backend.head("locks/h")
+    assert second is not None and second.size == 5 and second.version != first.version
+
+
+def test_put_new_only_when_absent(backend: Backend) -> None:
+    version = backend.put_new("locks/n", b"mine")
+    assert version and backend.get("locks/n") == b"mine"
+    assert backend.put_new("locks/n", b"theirs") is None and backend.get("locks/n") == b"mine"
+    backend.delete("locks/n")
+    assert backend.put_new("locks/n", b"again")
+
+
+def test_put_if_only_while_unchanged(backend: Backend) -> None:
+    backend.put("locks/c", b"v1")
+    v1 = backend.head("locks/c").version  # type: ignore[union-attr]
+    v2 = backend.put_if("locks/c", b"v2", v1)
+    assert v2 and backend.get("locks/c") == b"v2"
+    assert backend.put_if("locks/c", b"v3", v1) is None and backend.get("locks/c") == b"v2"  # stale version
+    backend.delete("locks/c")
+    assert backend.put_if("locks/c", b"v4", v2) is None and backend.head("locks/c") is None  # deleted meanwhile
+
+
+def test_concurrent_put_new_exactly_one_wins(backend: Backend, request: pytest.FixtureRequest) -> None:
+    if "moto" in request.node.callspec.id:
+        pytest.skip("moto's in-process S3 model is not thread-safe for concurrent PUTs of one key; local and "
+                    "SeaweedFS cover it")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        won = [v for v in pool.map(lambda i: backend.put_new("locks/race", str(i).encode()), range(16)) if v]
+    assert len(won) == 1
+
+
 @pytest.mark.parametrize("key", ["", "../etc/passwd", "a/../b", "/abs", "a//b", "a/./b", "sp ace", "nul\0x", "a\\b"])
 def test_bad_keys_refused_before_io(backend: Backend, key: str) -> None:
     with pytest.raises(InvalidInput):

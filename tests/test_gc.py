@@ -5,6 +5,7 @@ GC runs (some crashing midway) that checks everything still named is intact."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from layerstore import gc
 from layerstore.errors import BackendUnavailable, StrataError
 from layerstore.exporter import export_image
 from layerstore.importer import import_image
-from layerstore.lease import GC_LOCK, LEASE_PREFIX, Lease
+from layerstore.lease import GC_LOCK, LEASE_PREFIX, GcLock, Lease, live_leases
 from layerstore.localdir import LocalDirBackend
 from layerstore.store import Store
 from layerstore.templates import new_template
@@ -96,7 +97,7 @@ def test_a_live_lease_postpones_deletion_and_a_stale_one_expires(store: Store, t
         report = gc.collect(store, grace=0, now=time.time() + 20)
         assert report.deleted == 0 and "push in progress" in report.postponed
     assert doomed <= keys(store, "")
-    store.backend.put(f"{LEASE_PREFIX}dead", json.dumps({"holder": "gone:1", "expires": time.time() - 1}).encode())
+    store.backend.put(f"{LEASE_PREFIX}dead", json.dumps({"holder": "gone:1", "ttl": 0, "token": "dead"}).encode())
     report = gc.collect(store, grace=0, now=time.time() + 30)
     assert report.deleted == len(doomed) and keys(store, LEASE_PREFIX) == set()  # expired: ignored, then removed
 
@@ -129,8 +130,45 @@ def test_a_writer_whose_lease_lapsed_or_vanished_publishes_nothing(store: Store,
     assert keys(store, "manifests/") | keys(store, "refs/") == before
 
 
+def test_of_gcs_racing_for_the_lock_exactly_one_holds_it(store: Store) -> None:
+    if store.kind == "moto":  # type: ignore[attr-defined]
+        pytest.skip("moto's in-process S3 model is not thread-safe for concurrent PUTs of one key; local and "
+                    "SeaweedFS cover it")
+    for _ in range(2):  # a free lock, then a stale one (its holder died: ttl 0) taken over
+        locks = [GcLock(store.backend) for _ in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            others = list(pool.map(lambda lock: lock.acquire(), locks))
+        winners = [lock for lock, other in zip(locks, others) if other is None]
+        assert len(winners) == 1
+        winners[0].renew()
+        store.backend.put(GC_LOCK, json.dumps({"holder": "died:1", "ttl": 0, "token": "dead"}).encode())
+
+
+def test_a_gc_that_lost_its_lock_stops_and_leaves_the_winners_lock(store: Store) -> None:
+    first = GcLock(store.backend, ttl=0)  # stale the moment it is written: as if its holder hung
+    assert first.acquire() is None
+    second = GcLock(store.backend)
+    assert second.acquire() is None  # took the stale lock over
+    with pytest.raises(StrataError, match="lost its lock"):
+        first.renew()
+    first.release()
+    assert json.loads(store.backend.get(GC_LOCK))["token"] == second.token
+    assert GcLock(store.backend).acquire() is not None  # second's is live
+    second.release()
+    assert store.backend.head(GC_LOCK) is None
+
+
+def test_liveness_is_by_the_stores_clock_not_the_nodes(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Lease(store.backend, "push", ttl=60):
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3 * 3600)  # this node's clock runs 3 h fast
+        assert len(live_leases(store.backend)) == 1
+        report = gc.collect(store, grace=0)
+        assert "1 live lease" in report.postponed
+
+
 def test_a_push_waits_for_a_gc_that_is_deleting(store: Store) -> None:
-    store.backend.put(GC_LOCK, json.dumps({"holder": "other:1", "expires": time.time() + 60}).encode())
+    store.backend.put(GC_LOCK, json.dumps({"holder": "other:1", "ttl": 60, "token": "theirs"}).encode())
     with pytest.raises(Exception, match="being garbage-collected"):
         Lease(store.backend, "push", gc_wait=0.2).__enter__()
     assert keys(store, LEASE_PREFIX) == set()
