@@ -22,12 +22,16 @@ from layerstore.transfer import copy
 
 
 class Maintenance:
-    def __init__(self, store: Store, config: NodeConfig, *, gc_roots: Callable[[], list[Name]]) -> None:
-        """`gc_roots` names what GC of this node's store must keep beyond its
-        own refs, templates and snapshots (what running sandboxes sit on)."""
+    def __init__(self, store: Store, config: NodeConfig, *, gc_roots: Callable[[], list[Name]],
+                 node_id: str) -> None:
+        """`gc_roots` names what GC must keep beyond a store's own refs,
+        templates and snapshots for this node (what its sandboxes sit on);
+        every other node sharing the store adds its own through its record
+        (layerstore/nodes.py)."""
         self.store = store
         self._config = config
         self._gc_roots = gc_roots
+        self.node_id = node_id
         self._remote_lock = threading.Lock()
 
     @contextmanager
@@ -39,12 +43,15 @@ class Maintenance:
         with self._remote_lock, open_store(self._config.remote, **self._config.store_options(own=False)) as remote:
             yield remote
 
-    def gc(self, *, grace: float, dry_run: bool, remote: bool = False) -> dict:
-        """Collect garbage (two phases, `grace` seconds, leases) in this node's store or its remote."""
+    def gc(self, *, grace: float, dry_run: bool, remote: bool = False, forget_nodes: list[str] | None = None) -> dict:
+        """Collect garbage (two phases, `grace` seconds, leases, every node's
+        roots) in this node's store or its remote."""
+        options = dict(grace=grace, dry_run=dry_run, extra_roots=self._gc_roots(), own_node=self.node_id,
+                       forget_nodes=forget_nodes or [])
         if remote:
             with self._remote() as store:
-                return collect(store, grace=grace, dry_run=dry_run).as_dict()
-        return collect(self.store, grace=grace, dry_run=dry_run, extra_roots=self._gc_roots()).as_dict()
+                return collect(store, **options).as_dict()  # type: ignore[arg-type]
+        return collect(self.store, **options).as_dict()  # type: ignore[arg-type]
 
     def push(self, name: str) -> dict:
         """Copy an image, snapshot or template and all it needs to the remote."""

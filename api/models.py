@@ -429,6 +429,8 @@ class GcRequest(BaseModel):
     grace: str = Field("24h", description="never delete anything younger (90s, 15m, 24h, 7d)")
     dryRun: bool = Field(False, description="report what would be deleted; change nothing")
     target: Literal["local", "remote"] = Field("local", description="this node's store, or its remote")
+    forgetNodes: list[str] = Field(default_factory=list, description="drained nodes whose stale records are "
+                                                                       "removed before this GC (see layerstore/nodes.py)")
 
 
 class TransferRequest(BaseModel):

@@ -34,6 +34,7 @@ from pathlib import Path
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
+from layerstore.nodes import Heartbeat, node_id_of
 from layerstore.oci import runtime_of
 from layerstore.refs import parse_ref
 from layerstore.store import Store
@@ -91,7 +92,9 @@ class Node:
         self._reserved: dict[str, str] = {}  # ids of sandboxes being created -> their team
         self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
                                node_users=boxes.registry.snapshot_users)
-        self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots)
+        self.node_id = node_id_of(Path(config.state_dir))
+        self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots, node_id=self.node_id)
+        self._heartbeat: Heartbeat | None = None
         self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: POOL_KEY in r.metadata)
         self.watchers = Watchers()
         self.builds = Builds(self, Path(config.state_dir) / "template-files")
@@ -103,6 +106,8 @@ class Node:
         network = self.boxes.network
         if network is not None:  # before any VM starts: theirs need the node's side
             network.prepare()
+        self._heartbeat = Heartbeat(self._record_backends(), self.node_id, self.gc_roots)
+        self._heartbeat.start()
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
         for record in self.boxes.registry.all():
@@ -153,7 +158,21 @@ class Node:
         log.warning("sandbox %s: its VM is gone (host restarted?) and it has no snapshot; removing it", record.sid)
         self._quietly(self.boxes.kill, record.sid)
 
+    def _record_backends(self) -> list:
+        """Where this node publishes its record: its store, and its remote (whose GC must keep
+        what it pulled manifests-only)."""
+        from layerstore.store import open_backend
+
+        backends = [self.store.backend]
+        c = self.config
+        if c.remote and c.remote != c.store:
+            backends.append(open_backend(c.remote, endpoint=c.s3_endpoint, region=c.s3_region,
+                                         path_style=c.s3_path_style != "false"))
+        return backends
+
     def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # the record stays: VMs outlive the service (GC sees it go stale)
         self._stop.set()
         if self._resolver is not None:
             self._resolver.stop()
@@ -559,11 +578,20 @@ class Node:
             return {}
 
     def gc_roots(self) -> list:
-        """What GC of this node's store must keep beyond refs, templates and
-        snapshots: the layers running sandbox disks sit on."""
+        """What GC of a store this node uses must keep for it beyond the
+        store's refs, templates and snapshots: the layers its sandboxes'
+        disks and RAM sit on, the snapshots they came from or wake from, and
+        the images in its own store (pulled manifests-only, their chunks
+        live in the remote). Published in its node record every 40 s."""
         from layerstore.reach import Name
 
-        return [Name("layer", m) for m in self.boxes.client.disk_layers()]
+        names = [Name("layer", m) for m in self.boxes.client.disk_layers()]
+        for record in self.boxes.registry.all():
+            for snapshot in {record.last_snapshot, record.source.removeprefix("snapshot:")
+                             if record.source.startswith("snapshot:") else None} - {None}:
+                names.append(Name("snapshot", str(snapshot)))
+        names += [Name("layer", manifest) for _ref, manifest, _updated in self.store.list_refs()]
+        return names
 
     # what E2B's API shows of sandboxes ------------------------------------------------------
     def _disk_mb(self, record: SandboxRecord) -> int:

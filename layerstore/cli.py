@@ -273,6 +273,7 @@ def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
     out = ctx.out
     from .config import parse_duration
     from .gc import collect
+    from .nodes import existing_node_id
 
     try:
         grace = parse_duration(args.grace)
@@ -280,8 +281,10 @@ def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
         raise InvalidInput(f"--grace: {exc}") from None
     with _store(args, ctx) as store:
         extra = ctx.node_roots(store)
+        own = existing_node_id(ctx.config.state_dir)  # this node's record: its live roots are `extra`
         with out.progress("deleting") as (advance, _total):
-            report = collect(store, grace=grace, dry_run=args.dry_run, extra_roots=extra, progress=advance)
+            report = collect(store, grace=grace, dry_run=args.dry_run, extra_roots=extra, progress=advance,
+                             own_node=own, forget_nodes=args.forget_node or [])
     r = report
     text = (f"scanned {r.scanned}, marked {r.marked}, candidates {r.candidates}, "
             + (f"would delete {r.deletable}" if r.dry_run else f"deleted {r.deleted} ({human_bytes(r.freed_bytes)} freed)")
@@ -407,6 +410,9 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
     p = nouns.add_parser("gc", parents=[common], help="delete chunks and manifests no ref, template or snapshot reaches")
     p.add_argument("--grace", default="24h", help="never delete anything younger (default 24h)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; change nothing")
+    p.add_argument("--forget-node", action="append", metavar="NODE",
+                   help="remove the record of a drained node (one that will not come back) first; a stale "
+                        "record otherwise stops GC (repeatable)")
     p.set_defaults(func=cmd_gc)
     p = nouns.add_parser("verify", parents=[common], help="re-hash every chunk; report corrupt or missing ones")
     p.add_argument("--workers", type=int, default=None)

@@ -11,6 +11,8 @@ An unmarked object is deleted only when all of these hold:
       it is still unmarked now (two phases: `gc/candidates`);
     - no live lease exists (a push in flight) when deletion starts, and this
       GC holds the GC lock (layerstore/lease.py);
+    - no node sharing the store names it in its record (layerstore/nodes.py),
+      and no node's record is stale (then nothing is deleted at all);
     - the roots, marked once more right before deleting, still do not reach
       it.
 
@@ -34,6 +36,7 @@ from .backend import Backend, DryRunBackend
 from .chunk import CHUNK_PREFIX, chunk_key
 from .errors import NotFound, StrataError
 from .lease import GcLock, expired_leases, live_leases, store_now
+from .nodes import cluster_roots
 from .manifest import MANIFEST_PREFIX, manifest_key
 from .reach import Closure, Name
 from .store import Store
@@ -136,17 +139,27 @@ def collect(
     extra_roots: Iterable[Name] = (),
     now: float | None = None,
     progress: Callable[[int], None] | None = None,
+    own_node: str | None = None,
+    forget_nodes: Iterable[str] = (),
 ) -> GcReport:
     """Run one GC: plan, then record candidates and delete what may go.
 
-    With `dry_run` every write (the lock, deletions, the candidate record,
-    expired leases) goes to a DryRunBackend and is only recorded.
+    Every node sharing the store adds the roots of its record (layerstore/
+    nodes.py); a stale record stops the GC before anything is deleted,
+    unless that node is in `forget_nodes` (its record is then removed).
+    `own_node`'s record is skipped: the caller passes its live roots in
+    `extra_roots`. With `dry_run` every write (the lock, deletions, the
+    candidate record, expired leases, forgotten nodes) is only recorded.
     """
     started = time.monotonic()
-    extra = list(extra_roots)
+    forget_nodes = list(forget_nodes)
+    cluster = dict(forget_nodes=forget_nodes, own=own_node, dry_run=dry_run)
+    extra = [*extra_roots, *cluster_roots(store.backend, **cluster)]  # type: ignore[arg-type]
     p = plan(store, grace=grace, now=now, extra_roots=extra)
     backend: Backend = DryRunBackend(store.backend) if dry_run else store.backend
-    deleted, freed, postponed = _sweep(store, backend, p, extra, progress)
+    deleted, freed, postponed = _sweep(store, backend, p, list(extra_roots), progress,
+                                       lambda: cluster_roots(store.backend, own=own_node,
+                                                             forget_nodes=forget_nodes, dry_run=True))
     return GcReport(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
                     deletable=len(p.deletable), deleted=0 if dry_run else deleted, freed_bytes=0 if dry_run else freed,
                     retained=len(p.young), postponed=postponed, missing=p.missing, dry_run=dry_run,
@@ -154,7 +167,8 @@ def collect(
 
 
 def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
-           progress: Callable[[int], None] | None) -> tuple[int, int, str]:
+           progress: Callable[[int], None] | None,
+           cluster: Callable[[], list[Name]]) -> tuple[int, int, str]:
     """Under the GC lock: delete what `p` found deletable and is still unmarked; (deleted, freed, postponed)."""
     deleted = freed = 0
     postponed = ""
@@ -169,7 +183,7 @@ def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
             postponed = f"{len(leases)} live lease(s), e.g. {next(iter(leases.values())).get('what', '?')}"
             doomed: list[str] = []
         else:
-            again, _missing = mark(store, extra)  # re-check right before deleting
+            again, _missing = mark(store, [*extra, *cluster()])  # re-check right before deleting
             doomed = [k for k in p.deletable if k not in again]
         # manifests first: a crash midway leaves orphan chunks, never a manifest without its chunks
         manifests = sorted(k for k in doomed if k.startswith(MANIFEST_PREFIX))

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layerstore import gc
-from layerstore.errors import BackendUnavailable, StrataError
+from layerstore import gc, nodes
+from layerstore.errors import BackendUnavailable, InvalidInput, StrataError
+from layerstore.reach import Name
 from layerstore.exporter import export_image
 from layerstore.importer import import_image
 from layerstore.lease import GC_LOCK, LEASE_PREFIX, GcLock, Lease, live_leases
@@ -165,6 +166,36 @@ def test_liveness_is_by_the_stores_clock_not_the_nodes(store: Store, monkeypatch
         assert len(live_leases(store.backend)) == 1
         report = gc.collect(store, grace=0)
         assert "1 live lease" in report.postponed
+
+
+def test_every_live_nodes_roots_are_kept_and_a_stale_node_stops_gc(store: Store, tmp_path: Path) -> None:
+    doomed = garbage(store, tmp_path)
+    manifest = next(k for k in doomed if k.startswith("manifests/")).removeprefix("manifests/")
+    nodes.publish(store.backend, "node-b", [Name("layer", manifest)], ttl=60)  # b's sandbox sits on it
+    gc.collect(store, grace=0, now=time.time() + 10)
+    gc.collect(store, grace=0, now=time.time() + 20)
+    assert doomed <= keys(store, "")
+    nodes.publish(store.backend, "node-b", [Name("layer", manifest)], ttl=0)  # b stopped renewing: stale
+    with pytest.raises(StrataError, match="node node-b .*nothing was deleted.*--forget-node node-b"):
+        gc.collect(store, grace=0, now=time.time() + 30)
+    assert doomed <= keys(store, "")
+    report = gc.collect(store, grace=0, now=time.time() + 40, forget_nodes=["node-b"], dry_run=True)
+    assert report.candidates == len(doomed) and keys(store, "nodes/") == {"nodes/node-b"}  # dry: nothing forgotten
+    gc.collect(store, grace=0, now=time.time() + 50, forget_nodes=["node-b"])  # forgets, records candidates
+    assert keys(store, "nodes/") == set()
+    report = gc.collect(store, grace=0, now=time.time() + 60)
+    assert report.deleted == len(doomed) and not (doomed & keys(store, ""))
+
+
+def test_a_node_skips_its_own_record_and_gives_its_live_roots(store: Store, tmp_path: Path) -> None:
+    doomed = garbage(store, tmp_path)
+    manifest = next(k for k in doomed if k.startswith("manifests/")).removeprefix("manifests/")
+    nodes.publish(store.backend, "me", [], ttl=0)  # stale: the node is restarting
+    for step in (10, 20):
+        gc.collect(store, grace=0, now=time.time() + step, own_node="me", extra_roots=[Name("layer", manifest)])
+    assert doomed <= keys(store, "")
+    with pytest.raises(InvalidInput, match="invalid node id"):
+        nodes.publish(store.backend, "../x", [])
 
 
 def test_a_push_waits_for_a_gc_that_is_deleting(store: Store) -> None:

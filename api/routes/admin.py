@@ -42,7 +42,8 @@ def cache_unpin(body: m.PinRequest, node: NodeDep) -> dict:
 @router.post("/admin/gc", response_model=GcReport,
              summary="Garbage-collect this node's store or its remote (grace period, two phases, leases)")
 def run_gc(body: m.GcRequest, node: NodeDep) -> dict:
-    return node.maintenance.gc(grace=_grace(body.grace), dry_run=body.dryRun, remote=body.target == "remote")
+    return node.maintenance.gc(grace=_grace(body.grace), dry_run=body.dryRun, remote=body.target == "remote",
+                               forget_nodes=body.forgetNodes)
 
 
 @router.post("/admin/push", response_model=TransferResult,

@@ -1,0 +1,178 @@
+"""Node records: what every node sharing a store needs kept, for GC on any of them.
+
+    nodes/<node id>   {"node": "<id>", "ttl": 120, "token": "<uuid>",
+                       "roots": [{"kind": "layer", "value": "<manifest id>"},
+                                 {"kind": "snapshot", "value": "<snapshot id>"},
+                                 {"kind": "image", "value": "NAME:TAG"}, ...]}
+
+A node (`strata serve`) rewrites its record every ttl/3 seconds with the
+roots only it knows: the layers its sandboxes' disks and RAM sit on, the
+snapshots they were restored from or wake from, the images it pulled
+manifests-only (their chunks stay in this store). GC of the store marks
+from every live record. A record whose node stopped renewing it (by the
+store's clock, layerstore/lease.py) may still describe sandboxes that
+need objects, so GC refuses to delete anything and names the node; an
+operator who drained that node removes its record with `strata gc
+--forget-node ID`. A node that comes back simply publishes again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .backend import Backend
+from .errors import BackendError, InvalidInput, NotFound, StrataError
+from .lease import is_live, store_now
+from .reach import Name
+
+NODE_PREFIX = "nodes/"
+NODE_TTL = 120.0
+_NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_KINDS = ("image", "snapshot", "template", "layer")
+
+
+def node_id_of(state_dir: Path) -> str:
+    """This node's id: made once (host name and 8 random hex digits) and kept in STATE_DIR/node-id."""
+    path = state_dir / "node-id"
+    try:
+        return check_node_id(path.read_text().strip())
+    except FileNotFoundError:
+        pass
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:100] or "node"
+    node_id = f"{host}-{secrets.token_hex(4)}"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / f".node-id.{os.getpid()}"
+    tmp.write_text(node_id + "\n")
+    try:
+        os.link(tmp, path)  # two processes starting at once agree on the first one's id
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return check_node_id(path.read_text().strip())
+
+
+def existing_node_id(state_dir: Path) -> str | None:
+    """This state directory's node id if a node (`strata serve`) ever ran on it."""
+    try:
+        return check_node_id((state_dir / "node-id").read_text().strip())
+    except (OSError, InvalidInput):
+        return None
+
+
+def check_node_id(node_id: str) -> str:
+    if not isinstance(node_id, str) or not _NODE_ID.fullmatch(node_id) or node_id in (".", ".."):
+        raise InvalidInput(f"invalid node id {node_id!r} (letters, digits, . _ -)")
+    return node_id
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as a GC sees it."""
+
+    node: str
+    live: bool
+    age: float  # seconds since its last renewal, by the store's clock
+    roots: tuple[Name, ...]
+
+
+def publish(backend: Backend, node_id: str, roots: Iterable[Name], *, ttl: float = NODE_TTL) -> None:
+    """Write (or renew) this node's record."""
+    body = {"node": check_node_id(node_id), "ttl": ttl, "token": uuid.uuid4().hex,
+            "roots": sorted(({"kind": n.kind, "value": n.value} for n in roots),
+                            key=lambda r: (r["kind"], r["value"]))}
+    backend.put(f"{NODE_PREFIX}{node_id}", json.dumps(body, sort_keys=True).encode())
+
+
+def read_nodes(backend: Backend, *, now: float | None = None) -> list[NodeView]:
+    """Every node record, live or not; a torn record counts as a stale node."""
+    now = store_now(backend) if now is None else now
+    views = []
+    for info in backend.list(NODE_PREFIX):
+        node = info.key.removeprefix(NODE_PREFIX)
+        try:
+            data = json.loads(backend.get(info.key))
+            roots = tuple(Name(str(r["kind"]), str(r["value"])) for r in data["roots"] if r["kind"] in _KINDS)
+            record = {"ttl": float(data["ttl"])}
+        except NotFound:
+            continue  # forgotten meanwhile
+        except (ValueError, KeyError, TypeError):
+            roots, record = (), {"ttl": 0.0}
+        views.append(NodeView(node, is_live(record, info, now), now - info.modified, roots))
+    return sorted(views, key=lambda v: v.node)
+
+
+def forget(backend: Backend, node_id: str) -> bool:
+    """Remove a drained node's record; False if there was none."""
+    key = f"{NODE_PREFIX}{check_node_id(node_id)}"
+    if backend.head(key) is None:
+        return False
+    backend.delete(key)
+    return True
+
+
+def cluster_roots(backend: Backend, *, forget_nodes: Iterable[str] = (), own: str | None = None,
+                  dry_run: bool = False, now: float | None = None) -> list[Name]:
+    """The roots of every live node but `own` (whose caller adds its live
+    roots itself); StrataError naming a stale one, which GC must not run
+    past (its sandboxes may need what would be deleted). `forget_nodes` are
+    removed first (only left out, with `dry_run`)."""
+    forget_nodes = set(forget_nodes)
+    if not dry_run:
+        for node_id in forget_nodes:
+            forget(backend, node_id)
+    views = [v for v in read_nodes(backend, now=now) if v.node != own and v.node not in forget_nodes]
+    stale = [v for v in views if not v.live]
+    if stale:
+        first = stale[0]
+        raise StrataError(f"node {first.node} has not renewed its record in {backend.describe()} for "
+                          f"{first.age:.0f} s{f' (and {len(stale) - 1} more)' if len(stale) > 1 else ''}: its "
+                          "sandboxes may need objects this GC would delete, so nothing was deleted; bring it "
+                          f"back, or drain it and run `strata gc --forget-node {first.node}`")
+    return [name for v in views for name in v.roots]
+
+
+class Heartbeat:
+    """Publishes a node's record every ttl/3 on a thread, from `roots()`."""
+
+    def __init__(self, backends: list[Backend], node_id: str, roots: Callable[[], list[Name]], *,
+                 ttl: float = NODE_TTL) -> None:
+        self.backends = backends
+        self.node_id = check_node_id(node_id)
+        self.roots = roots
+        self.ttl = ttl
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        roots = self.roots()
+        for backend in self.backends:
+            publish(backend, self.node_id, roots, ttl=self.ttl)
+
+    def start(self) -> None:
+        self.beat()  # a node's record exists before it serves anything
+        self._thread = threading.Thread(target=self._run, name="strata-node-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self.beat()
+                self.error = None
+            except (BackendError, StrataError) as exc:  # try again next beat; GC sees the record go stale
+                self.error = exc
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
