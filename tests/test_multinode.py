@@ -6,6 +6,7 @@ FUSE mounts, real HTTP between the namespaces."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_CI, needs_qemu
+from tests.conftest import IN_CI, ROOT, needs_qemu
 from tests.netns import Lab
 from tests.node_server import API_KEY, NodeServer
 from tests.seaweedfs_server import SeaweedFS
@@ -80,6 +81,28 @@ def test_push_pull_and_peer_fetch_across_namespaces(tmp_path: Path, guest: Path)
             assert exec_in(b, second.json()["sandboxID"], "cat /root/origin") == "made-on-a"
             after = b.client.get("/cache").json()["sources"]
             assert after.get("remote", 0) > 0 and after.get("peer_rejected", 0) == 0, after
+
+            # the shared store loses the template and its snapshot, then is collected twice: B's
+            # sandbox still reads every chunk (its node's roots name the layers it sits on)
+            ops = {**b.env, "STRATA_STORE": "s3://shared/cluster", "STRATA_STATE_DIR": str(tmp_path / "ops")}
+
+            def ops_cli(*args: str) -> str:
+                r = subprocess.run([str(ROOT / ".venv/bin/strata"), *args], env=ops, capture_output=True, text=True,
+                                   timeout=300)
+                assert r.returncode == 0, (args, r.stderr)
+                return r.stdout
+
+            snapshots = [row["snapshot"] for row in json.loads(ops_cli("snapshot", "ls", "--json"))]
+            ops_cli("template", "rm", "golden")
+            for snapshot_id in snapshots:
+                ops_cli("snapshot", "rm", snapshot_id)
+            for _ in range(2):  # two phases: candidates, then deletion
+                r = b.admin.post("/admin/gc", json={"grace": "0s", "target": "remote"})
+                assert r.status_code == 200, r.text
+            assert r.json()["deleted"] > 0, r.json()  # the snapshots' device state, which nothing needs now
+            assert b.admin.post("/admin/cache/drop").status_code == 200
+            exec_in(b, second.json()["sandboxID"], "dd if=/dev/vda of=/dev/null bs=1M")  # every disk chunk
+            assert exec_in(b, second.json()["sandboxID"], "cat /root/origin") == "made-on-a"
             assert b.client.delete(f"/sandboxes/{second.json()['sandboxID']}").status_code == 204
     finally:
         for node in nodes:
