@@ -580,16 +580,13 @@ class Node:
     def gc_roots(self) -> list:
         """What GC of a store this node uses must keep for it beyond the
         store's refs, templates and snapshots: the layers its sandboxes'
-        disks and RAM sit on, the snapshots they came from or wake from, and
-        the images in its own store (pulled manifests-only, their chunks
+        disks and RAM sit on, the snapshots its paused sandboxes wake from,
+        and the images in its own store (pulled manifests-only, their chunks
         live in the remote). Published in its node record every 40 s."""
         from layerstore.reach import Name
 
         names = [Name("layer", m) for m in self.boxes.client.disk_layers()]
-        for record in self.boxes.registry.all():
-            for snapshot in {record.last_snapshot, record.source.removeprefix("snapshot:")
-                             if record.source.startswith("snapshot:") else None} - {None}:
-                names.append(Name("snapshot", str(snapshot)))
+        names += [Name("snapshot", s) for s in self.boxes.registry.snapshot_users()]  # paused sandboxes wake from
         names += [Name("layer", manifest) for _ref, manifest, _updated in self.store.list_refs()]
         return names
 

@@ -66,10 +66,18 @@ def template_users(store: Store) -> dict[str, list[str]]:
 
 
 def snapshot_users(store: Store, node_users: Mapping[str, list[str]]) -> dict[str, list[str]]:
-    """Everything that still needs each snapshot: templates plus what the node reports."""
+    """Everything that still needs each snapshot: templates, what this node
+    reports, and the paused sandboxes of every node sharing the store (their
+    records, layerstore/nodes.py)."""
+    from .nodes import read_nodes
+
     users = template_users(store)
     for snapshot_id, names in node_users.items():
         users.setdefault(snapshot_id, []).extend(names)
+    for view in read_nodes(store.backend, now=0.0):  # liveness does not matter: a stale node may come back
+        for name in view.roots:
+            if name.kind == "snapshot" and f"node {view.node}" not in users.get(name.value, []):
+                users.setdefault(name.value, []).append(f"node {view.node}")
     return users
 
 

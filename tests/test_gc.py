@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layerstore import gc, nodes
-from layerstore.errors import BackendUnavailable, InvalidInput, StrataError
+from layerstore.errors import BackendUnavailable, Conflict, InvalidInput, StrataError
 from layerstore.reach import Name
 from layerstore.exporter import export_image
 from layerstore.importer import import_image
@@ -359,3 +359,14 @@ def test_cli_gc_refuses_while_the_node_has_sandboxes_its_mount_daemon_cannot_nam
         r = run(["gc", "--grace", "0"], env)
         assert r.returncode == 0, r.stderr
     assert not (doomed & keys(store, ""))
+
+
+def test_a_snapshot_another_nodes_paused_sandbox_wakes_from_cannot_be_deleted(store: Store, tmp_path: Path) -> None:
+    from layerstore.inventory import delete_snapshot
+
+    snapshot_id = store.put_snapshot(_snap(_layers(store, tmp_path)))
+    nodes.publish(store.backend, "node-c", [Name("snapshot", snapshot_id)])
+    with pytest.raises(Conflict, match="node node-c"):
+        delete_snapshot(store, snapshot_id, node_users={})
+    nodes.forget(store.backend, "node-c")
+    delete_snapshot(store, snapshot_id, node_users={})
