@@ -43,11 +43,12 @@ class Maintenance:
         with self._remote_lock, open_store(self._config.remote, **self._config.store_options(own=False)) as remote:
             yield remote
 
-    def gc(self, *, grace: float, dry_run: bool, remote: bool = False, forget_nodes: list[str] | None = None) -> dict:
+    def gc(self, *, grace: float, dry_run: bool, remote: bool = False, forget_nodes: list[str] | None = None,
+           allow_missing: bool = False) -> dict:
         """Collect garbage (two phases, `grace` seconds, leases, every node's
         roots) in this node's store or its remote."""
         options = dict(grace=grace, dry_run=dry_run, extra_roots=self._gc_roots(), own_node=self.node_id,
-                       forget_nodes=forget_nodes or [])
+                       forget_nodes=forget_nodes or [], allow_missing=allow_missing)
         if remote:
             with self._remote() as store:
                 return collect(store, **options).as_dict()  # type: ignore[arg-type]

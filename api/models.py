@@ -431,6 +431,7 @@ class GcRequest(BaseModel):
     target: Literal["local", "remote"] = Field("local", description="this node's store, or its remote")
     forgetNodes: list[str] = Field(default_factory=list, description="drained nodes whose stale records are "
                                                                        "removed before this GC (see layerstore/nodes.py)")
+    allowMissing: bool = Field(False, description="collect even though the store's roots name missing objects")
 
 
 class TransferRequest(BaseModel):

@@ -284,7 +284,7 @@ def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
         own = existing_node_id(ctx.config.state_dir)  # this node's record: its live roots are `extra`
         with out.progress("deleting") as (advance, _total):
             report = collect(store, grace=grace, dry_run=args.dry_run, extra_roots=extra, progress=advance,
-                             own_node=own, forget_nodes=args.forget_node or [])
+                             own_node=own, forget_nodes=args.forget_node or [], allow_missing=args.allow_missing)
     r = report
     text = (f"scanned {r.scanned}, marked {r.marked}, candidates {r.candidates}, "
             + (f"would delete {r.deletable}" if r.dry_run else f"deleted {r.deleted} ({human_bytes(r.freed_bytes)} freed)")
@@ -413,6 +413,8 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
     p.add_argument("--forget-node", action="append", metavar="NODE",
                    help="remove the record of a drained node (one that will not come back) first; a stale "
                         "record otherwise stops GC (repeatable)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="collect even though the store's roots name missing objects (run `strata verify` first)")
     p.set_defaults(func=cmd_gc)
     p = nouns.add_parser("verify", parents=[common], help="re-hash every chunk; report corrupt or missing ones")
     p.add_argument("--workers", type=int, default=None)

@@ -86,16 +86,27 @@ def roots(store: Store) -> list[Name]:
 
 
 def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str]]:
-    """Keys of every object a root reaches, and what roots name but is missing."""
+    """Keys of every object a root reaches, and the layer manifests the
+    store's own roots need but are missing (damage: `collect` refuses to run
+    past it). What
+    `extra` roots name may live in another store (a node's own layers in
+    its record on a shared store): their missing objects are not damage."""
     closure = Closure()
-    for name in [*roots(store), *extra]:
+    for name in roots(store):
         try:
             closure.add(store, name, strict=False)
         except NotFound:  # a template naming a deleted image: nothing to keep for it
             closure.missing.append(f"{name.kind} {name.value}")
+    # a missing layer manifest is lost data; a dangling template or a deleted parent snapshot is not
+    damage = [m for m in closure.missing if m.startswith("manifest ")]
+    for name in extra:
+        try:
+            closure.add(store, name, strict=False)
+        except NotFound:
+            pass
     keys = {manifest_key(m) for m in closure.layers}
     keys |= {chunk_key(d) for d in closure.chunks}
-    return keys, closure.missing
+    return keys, damage
 
 
 def _read_candidates(store: Store) -> dict[str, float]:
@@ -141,6 +152,7 @@ def collect(
     progress: Callable[[int], None] | None = None,
     own_node: str | None = None,
     forget_nodes: Iterable[str] = (),
+    allow_missing: bool = False,
 ) -> GcReport:
     """Run one GC: plan, then record candidates and delete what may go.
 
@@ -150,12 +162,21 @@ def collect(
     `own_node`'s record is skipped: the caller passes its live roots in
     `extra_roots`. With `dry_run` every write (the lock, deletions, the
     candidate record, expired leases, forgotten nodes) is only recorded.
+
+    A store whose refs, templates or snapshots need missing layer manifests
+    is damaged, and deleting from it could make it worse (as
+    restic's prune, GC refuses): `strata verify` names the damage;
+    `allow_missing` collects anyway, keeping all that is still reachable.
     """
     started = time.monotonic()
     forget_nodes = list(forget_nodes)
     cluster = dict(forget_nodes=forget_nodes, own=own_node, dry_run=dry_run)
     extra = [*extra_roots, *cluster_roots(store.backend, **cluster)]  # type: ignore[arg-type]
     p = plan(store, grace=grace, now=now, extra_roots=extra)
+    if p.missing and not allow_missing and not dry_run:
+        raise StrataError(f"{store.describe()} is damaged: its roots name {len(p.missing)} missing object(s), e.g. "
+                          f"{p.missing[0]}; nothing was deleted (`strata verify` names what is lost; "
+                          "`strata gc --allow-missing` collects anyway, keeping all that is still reachable)")
     backend: Backend = DryRunBackend(store.backend) if dry_run else store.backend
     deleted, freed, postponed = _sweep(store, backend, p, list(extra_roots), progress,
                                        lambda: cluster_roots(store.backend, own=own_node,

@@ -370,3 +370,18 @@ def test_a_snapshot_another_nodes_paused_sandbox_wakes_from_cannot_be_deleted(st
         delete_snapshot(store, snapshot_id, node_users={})
     nodes.forget(store.backend, "node-c")
     delete_snapshot(store, snapshot_id, node_users={})
+
+
+def test_a_damaged_store_is_not_collected_unless_allowed(store: Store, tmp_path: Path) -> None:
+    doomed = garbage(store, tmp_path)
+    write_image(tmp_path / "kept.img", "rr", seed=3)
+    kept = import_image(store, tmp_path / "kept.img", "kept:v1").manifest_id
+    store.backend.delete(f"manifests/{kept}")  # lost: a ref names a manifest that is gone
+    store.catalog.forget_manifest(kept)
+    with pytest.raises(StrataError, match=f"damaged.*manifest {kept}.*nothing was deleted"):
+        gc.collect(store, grace=0, now=time.time() + 10)
+    assert doomed <= keys(store, "")
+    assert gc.collect(store, grace=0, now=time.time() + 10, dry_run=True).missing == [f"manifest {kept}"]
+    gc.collect(store, grace=0, now=time.time() + 20, allow_missing=True)
+    report = gc.collect(store, grace=0, now=time.time() + 30, allow_missing=True)
+    assert not (doomed & keys(store, "")) and report.deleted == len(doomed) + 2  # + kept's orphaned chunks

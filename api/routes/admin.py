@@ -43,7 +43,7 @@ def cache_unpin(body: m.PinRequest, node: NodeDep) -> dict:
              summary="Garbage-collect this node's store or its remote (grace period, two phases, leases)")
 def run_gc(body: m.GcRequest, node: NodeDep) -> dict:
     return node.maintenance.gc(grace=_grace(body.grace), dry_run=body.dryRun, remote=body.target == "remote",
-                               forget_nodes=body.forgetNodes)
+                               forget_nodes=body.forgetNodes, allow_missing=body.allowMissing)
 
 
 @router.post("/admin/push", response_model=TransferResult,
