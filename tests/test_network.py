@@ -189,17 +189,36 @@ def _check(lab: Lab, node: NodeServer, web1: str, web2: str) -> None:
     assert c.delete(f"/sandboxes/{a}").status_code == 204
     assert len(leftovers(lab, node, [a])) == 2  # b's link and lease; nothing of a's
 
-    # the same through the unchanged E2B SDK: rules on create, update_network
-    os.environ.update(E2B_API_URL=node.url, E2B_SANDBOX_URL=node.url, E2B_API_KEY=API_KEY)
-    from e2b import Sandbox
-
-    sbx = Sandbox.create(template="guest:v1", allow_internet_access=False, network={"allow_out": [web2]})
-    assert sbx.commands.run(f"timeout 4 wget -q -O - {WEB.format(web2)}").stdout.strip() == "this is web2"
-    assert fetch(node, sbx.sandbox_id, WEB.format(web1)) is None
-    sbx.update_network({"allow_out": [web1]})
-    assert fetch(node, sbx.sandbox_id, WEB.format(web1)) == "this is web1"
-    assert fetch(node, sbx.sandbox_id, WEB.format(web2)) is None
-    sbx.kill()
+    # the same through the unchanged E2B SDK: rules on create, update_network. In a process of its
+    # own in the hub's namespace: the SDK's HTTP runtime keeps threads made wherever it first ran.
+    script = f"""
+from e2b import Sandbox
+sbx = Sandbox.create(template="guest:v1", allow_internet_access=False, network={{"allow_out": ["{web2}"]}})
+print(sbx.sandbox_id, flush=True)
+assert sbx.commands.run("timeout 4 wget -q -O - {WEB.format(web2)}").stdout.strip() == "this is web2"
+input()  # the test checks web1 is denied
+sbx.update_network({{"allow_out": ["{web1}"]}})
+print("updated", flush=True)
+"""
+    sdk = subprocess.Popen([*lab.prefix("hub"), sys.executable, "-c", script], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url,
+                                "E2B_API_KEY": API_KEY})
+    try:
+        assert sdk.stdout is not None and sdk.stdin is not None
+        sid = sdk.stdout.readline().strip()
+        assert sid.startswith("sb"), sid
+        assert fetch(node, sid, WEB.format(web1)) is None
+        sdk.stdin.write("\n")
+        sdk.stdin.flush()
+        assert sdk.stdout.readline().strip() == "updated"
+        assert sdk.wait(timeout=120) == 0
+    finally:
+        if sdk.poll() is None:
+            sdk.kill()
+    assert fetch(node, sid, WEB.format(web1)) == "this is web1"
+    assert fetch(node, sid, WEB.format(web2)) is None
+    assert c.delete(f"/sandboxes/{sid}").status_code == 204
 
     # b's ports need its traffic token
     guest_run(node, b, "mkdir -p /tmp/www && echo served-by-b > /tmp/www/index.html && "
