@@ -170,12 +170,8 @@ class LocalDirBackend:
             raise _os_error(exc, f"reading {key}") from None
 
     def stat(self, key: str) -> int | None:
-        try:
-            return os.stat(self._path(key)).st_size
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise _os_error(exc, f"checking {key}") from None
+        info = self.head(key)
+        return None if info is None else info.size
 
     def has_many(self, keys: Iterable[str]) -> set[str]:
         return {k for k in keys if self.stat(k) is not None}

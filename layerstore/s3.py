@@ -171,14 +171,8 @@ class S3Backend:
         return data
 
     def stat(self, key: str) -> int | None:
-        try:
-            response = self._client.head_object(Bucket=self.config.bucket, Key=self._key(key))
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            err = self._error(exc, key)
-            if isinstance(err, NotFound):
-                return None
-            raise err from None
-        return int(response["ContentLength"])
+        info = self.head(key)
+        return None if info is None else info.size
 
     def has_many(self, keys: Iterable[str]) -> set[str]:
         return parallel_has(self.stat, keys, workers=self._workers)
