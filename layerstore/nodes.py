@@ -19,6 +19,7 @@ operator who drained that node removes its record with `strata gc
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -33,6 +34,8 @@ from .backend import Backend
 from .errors import BackendError, InvalidInput, NotFound, StrataError
 from .lease import is_live, store_now
 from .reach import Name
+
+log = logging.getLogger(__name__)
 
 NODE_PREFIX = "nodes/"
 NODE_TTL = 120.0
@@ -160,7 +163,11 @@ class Heartbeat:
             publish(backend, self.node_id, roots, ttl=self.ttl)
 
     def start(self) -> None:
-        self.beat()  # a node's record exists before it serves anything
+        try:
+            self.beat()  # a node's record exists before it serves anything, if the stores answer
+        except (BackendError, StrataError) as exc:  # a store down at start must not stop the node: next beat
+            self.error = exc
+            log.warning("publishing node record %s: %s (retried every %.0f s)", self.node_id, exc, self.ttl / 3)
         self._thread = threading.Thread(target=self._run, name="strata-node-heartbeat", daemon=True)
         self._thread.start()
 

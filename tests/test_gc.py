@@ -385,3 +385,28 @@ def test_a_damaged_store_is_not_collected_unless_allowed(store: Store, tmp_path:
     gc.collect(store, grace=0, now=time.time() + 20, allow_missing=True)
     report = gc.collect(store, grace=0, now=time.time() + 30, allow_missing=True)
     assert not (doomed & keys(store, "")) and report.deleted == len(doomed) + 2  # + kept's orphaned chunks
+
+
+def test_a_node_starts_while_a_store_is_down_and_publishes_once_it_answers(tmp_path: Path) -> None:
+    from layerstore.errors import BackendUnavailable as Down
+
+    class Flaky(LocalDirBackend):
+        down = True
+
+        def put(self, key: str, data: bytes) -> None:
+            if Flaky.down:
+                raise Down("store unreachable (injected)")
+            super().put(key, data)
+
+    backend = Flaky(tmp_path / "store")
+    beat = nodes.Heartbeat([backend], "node-x", lambda: [Name("layer", "a" * 64)], ttl=0.3)
+    beat.start()  # does not raise
+    try:
+        assert isinstance(beat.error, Down) and backend.head("nodes/node-x") is None
+        Flaky.down = False
+        deadline = time.monotonic() + 5
+        while backend.head("nodes/node-x") is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        beat.stop()
