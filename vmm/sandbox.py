@@ -263,8 +263,7 @@ class Sandboxes:
             self.client.create_disk(memory_sid(record.sid), manifest=memory_layer)
             self.registry.save(record)
             started = time.monotonic()
-            if record.network is not None:
-                spec = replace(spec, netns=self._network().attach(record.sid, Egress.of(record.network)).netns)
+            spec = self._with_network(spec, record)
             vm = self.backend.start(spec)
         except BaseException:
             try:
@@ -335,8 +334,8 @@ class Sandboxes:
             self.client.create_disk(memory_sid(sid), manifest=self._zero_memory(record.memory_mib))
             started = time.monotonic()
             if record.network is not None:
-                self._network().detach(sid)
-                spec = replace(spec, netns=self._network().attach(sid, Egress.of(record.network)).netns)
+                self._network().detach(sid)  # the old VM's: a cold boot starts from a fresh network
+            spec = self._with_network(spec, record)
             vm = self.backend.start(spec)
             record.state, record.operation, record.pid = "running", "", vm.pid
             record.timings["reboot"] = time.monotonic() - started
@@ -687,6 +686,12 @@ class Sandboxes:
         live = {r.sid for r in self.registry.all()
                 if r.state != "suspended" and self.backend.is_running(self.registry.workdir(r.sid))}
         return self.network.reconcile(live)
+
+    def _with_network(self, spec: VmSpec, record: SandboxRecord) -> VmSpec:
+        """`spec` with the sandbox's network attached, if its record has one."""
+        if record.network is None:
+            return spec
+        return replace(spec, netns=self._network().attach(record.sid, Egress.of(record.network)).netns)
 
     def _network(self) -> Network:
         if self.network is None:
