@@ -68,7 +68,7 @@ case "$MODE" in
         command -v npm >/dev/null || apt_install npm   # some nodejs builds carry their own npm
         log "running the test suite"
         set +e
-        .venv/bin/python -m pytest -q "${@:2}"
+        .venv/bin/python -m pytest -q --durations=15 "${@:2}"  # the slowest tests: the suite has a time budget
         rc=$?
         set -e
         # pytest exits 5 when no test ran: that is a failure here, never a pass.

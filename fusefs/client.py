@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from layerstore.errors import InvalidInput
+from layerstore.unixsock import connect_unix
 
 from .control import MountSettings, check_mountpoint, control_socket
 from .protocol import (CacheDrop, CacheDropped, CreateDisk, DaemonError, DiskInfo, DiskRemoved, ListDisks,
@@ -60,7 +61,7 @@ class MountClient:
                 s.settimeout(timeout)
                 while True:
                     try:
-                        s.connect(str(self.socket_path))
+                        connect_unix(s, self.socket_path)
                         break
                     except BlockingIOError:  # the listen backlog is full: the daemon is busy, not gone
                         if time.monotonic() > deadline:

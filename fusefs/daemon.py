@@ -37,6 +37,7 @@ from layerstore.importer import import_image
 from layerstore.refs import Ref, parse_ref
 from layerstore.squash import depth, squash
 from layerstore.store import Store, open_store
+from layerstore.unixsock import bind_unix, connect_unix
 
 from .cache import ChunkCache
 from .control import MountSettings, check_mountpoint, check_sid, control_socket
@@ -254,6 +255,9 @@ class _ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
     daemon_threads = True
     request_queue_size = 256  # a busy API node sends many requests at once (socketserver's default is 5)
 
+    def server_bind(self) -> None:
+        bind_unix(self.socket, self.server_address)  # a run dir deeper than a socket address holds
+
 
 class Daemon:
     """One mount: the FUSE loop in the main thread, the control server in another."""
@@ -408,7 +412,7 @@ def serve(settings: MountSettings, ready: Callable[[], None]) -> None:
     if sock.exists():
         try:
             with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sock))
+                connect_unix(s, sock)
             raise InvalidInput(f"a Strata daemon already serves {mountpoint}")
         except (ConnectionRefusedError, FileNotFoundError):
             sock.unlink(missing_ok=True)

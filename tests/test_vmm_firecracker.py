@@ -470,7 +470,7 @@ def test_boot_pause_snapshot_restore_wire_format(tmp_path: Path, fake_binary: Pa
     assert not (work / "firecracker.sock").exists() and not (work / "serial.in").exists()
 
     launch = requests(work)[0]
-    assert launch["argv"] == ["--api-sock", str(work / "firecracker.sock"), "--log-path", str(work / "firecracker.log"),
+    assert launch["argv"] == ["--api-sock", "firecracker.sock", "--log-path", str(work / "firecracker.log"),
                               "--show-level", "--enable-pci"]
     assert launch["cwd"] == str(work)
     assert {r["content_type"] for r in requests(work) if r.get("body") is not None} == {"application/json"}

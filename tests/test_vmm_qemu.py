@@ -63,9 +63,13 @@ def test_boot_from_fuse_disk_run_pause_resume(served_disk: tuple[Mount, Path], g
 
 @needs_qemu
 def test_save_and_restore_state(served_disk: tuple[Mount, Path], guest: Path, tmp_path: Path) -> None:
+    """Also from work directories too deep for a unix socket address (a node
+    whose state dir is deep): QEMU binds its sockets by relative name."""
     _mount, disk = served_disk
     backend = QemuBackend(accel=detect())
-    vm = backend.start(guest_spec(guest, disk, tmp_path / "vm"), ready_timeout=180)
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    assert len(str(deep / "vm" / "agent.sock")) > 108
+    vm = backend.start(guest_spec(guest, disk, deep / "vm"), ready_timeout=180)
     state = tmp_path / "vm.state"
     try:
         vm.agent.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done) >/dev/null 2>&1 &")
@@ -75,14 +79,18 @@ def test_save_and_restore_state(served_disk: tuple[Mount, Path], guest: Path, tm
     finally:
         vm.kill()
     assert state.stat().st_size > 0
-    restored = backend.start(guest_spec(guest, disk, tmp_path / "vm2", incoming=state), ready_timeout=120)
+    restored = backend.start(guest_spec(guest, disk, deep / "vm2", incoming=state), ready_timeout=120)
     try:
         first = int(restored.agent.run("cat /tmp/counter").output)
         time.sleep(0.5)
-        second = int(restored.agent.run("cat /tmp/counter").output)
+        restored.agent.close()  # the agent's port takes one host at a time
+        attached = backend.attach(deep / "vm2")  # as another process would, by its work directory
+        second = int(attached.agent.run("cat /tmp/counter").output)
         assert first > 0 and second > first  # the in-memory process kept running after restore
+        assert backend.is_running(deep / "vm2") and attached.status() == "running"
     finally:
         restored.kill()
+    assert not backend.is_running(deep / "vm2")
 
 
 @needs_qemu

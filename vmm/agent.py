@@ -39,6 +39,8 @@ from typing import Any
 
 from layerstore.errors import StrataError
 
+from layerstore.unixsock import connect_unix
+
 
 DEFAULT_MAX_OUTPUT = 1 << 20  # bytes of a command's output kept by `run`; config `exec_output_limit`
 MAX_LINE = 4 << 20  # a guest line longer than this is dropped (the agent sends <= ~350 KiB)
@@ -341,7 +343,7 @@ class Agent:
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.connect(self.path)
+                connect_unix(s, self.path)
                 return s
             except (FileNotFoundError, ConnectionRefusedError):
                 s.close()

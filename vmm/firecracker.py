@@ -101,6 +101,7 @@ from .backend import VmmError, VmSpec
 from .durable import write_durably
 from .network import GUEST_MAC, guest_cmdline
 from .process import kill_group, owns, wait_gone
+from layerstore.unixsock import connect_unix
 
 log = logging.getLogger("strata.vmm")
 
@@ -309,6 +310,12 @@ def firecracker_boot_args(cmdline: str, *, pci: bool) -> str:
     return " ".join(words + [w for w in extra if w.split("=", 1)[0] not in keys])
 
 
+def _owned(pid: int, api_sock: str | os.PathLike[str]) -> bool:
+    """True if `pid` is still the Firecracker whose API socket is `api_sock`:
+    its argv names the log file beside it (absolute; the socket is relative)."""
+    return owns(pid, str(Path(api_sock).parent / LOG_FILE))
+
+
 # --- the REST API over AF_UNIX -----------------------------------------------
 
 
@@ -324,7 +331,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
-            sock.connect(self.socket_path)
+            connect_unix(sock, self.socket_path)
         except BaseException:
             sock.close()
             raise
@@ -528,7 +535,7 @@ class FirecrackerVm:
     def alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
-        return owns(self.pid, str(self.api.socket_path))
+        return _owned(self.pid, self.api.socket_path)
 
     def status(self) -> str:
         """"running", "paused" or "not-started" (Firecracker's GET /), "exited" once gone."""
@@ -609,7 +616,9 @@ class FirecrackerBackend:
     def argv(self, spec: VmSpec) -> list[str]:
         """The command line; `spec.extra` is appended (e.g. `--level Debug`)."""
         work = Path(os.path.abspath(spec.workdir))
-        argv = [self.binary, "--api-sock", str(work / API_SOCK), "--log-path", str(work / LOG_FILE),
+        # run in the work directory: the socket is bound by relative name (a
+        # deep work directory outgrows a socket address, layerstore/unixsock.py)
+        argv = [self.binary, "--api-sock", API_SOCK, "--log-path", str(work / LOG_FILE),
                 "--show-level"]
         if self.pci:
             argv.append("--enable-pci")
@@ -776,7 +785,7 @@ class FirecrackerBackend:
     def is_running(self, workdir: Path) -> bool:
         """Whether the VM recorded in `workdir` still runs (no API or agent needed)."""
         recorded = self._recorded(workdir)
-        return recorded is not None and owns(recorded[0], recorded[1])
+        return recorded is not None and _owned(recorded[0], recorded[1])
 
     def attach(self, workdir: Path, *, timeout: float = 5.0) -> FirecrackerVm:
         """Take control of a VM started earlier, maybe by another process.
@@ -791,7 +800,7 @@ class FirecrackerBackend:
         if recorded is None:
             raise VmmError(f"no VM recorded in {workdir}")
         pid, sock, info = recorded
-        if not owns(pid, sock):
+        if not _owned(pid, sock):
             raise VmmError(f"the VM (pid {pid}) is no longer running")
         api = FirecrackerApi(Path(sock), timeout=max(timeout, 30.0))
         api.get("/", timeout=timeout)
@@ -808,6 +817,6 @@ class FirecrackerBackend:
     def destroy(self, workdir: Path) -> None:
         """SIGKILL the VM recorded in `workdir` (no API or agent needed)."""
         recorded = self._recorded(workdir)
-        if recorded is not None and owns(recorded[0], recorded[1]):
+        if recorded is not None and _owned(recorded[0], recorded[1]):
             kill_group(recorded[0])
         _cleanup(workdir)

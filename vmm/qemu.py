@@ -10,12 +10,13 @@ The command line (see vmm/guest/README.md for why each piece):
       -kernel vmlinuz -initrd initramfs.cpio.gz -append 'console=ttyS0 quiet panic=-1'
       -device virtio-serial-pci -chardev socket,id=agent,path=agent.sock,server=on,wait=off
       -device virtserialport,chardev=agent,name=strata.agent
-      -qmp unix:qmp.sock,server=on,wait=off
+      -qmp unix:qmp.sock,server=on,wait=off -pidfile WORKDIR/qemu.pid
       -drive file=DISK,format=raw,if=virtio,cache=none
       [-incoming 'exec:cat STATE']
 
 The disk is opened with cache=none (O_DIRECT), the path the FUSE mount is
-fastest on. Snapshots are QEMU migration streams written with `exec:cat`
+fastest on. QEMU runs in the work directory and binds its sockets there by
+relative name (a deep work directory outgrows a socket address). Snapshots are QEMU migration streams written with `exec:cat`
 (QEMU 7.2 has no `file:` URI).
 
 QMP serves one client at a time and VMs outlive the process that started
@@ -28,6 +29,7 @@ is connected waits for it (up to the QMP timeout).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -55,8 +57,23 @@ QEMU_BINARY = "qemu-system-x86_64"
 
 
 def _owns(pid: int, workdir: Path) -> bool:
-    """True if `pid` is still the QEMU of `workdir` (its argv names the QMP socket)."""
-    return owns(pid, str(workdir / "qmp.sock"))
+    """True if `pid` is still the QEMU of `workdir`: its argv names the pid
+    file there (or, for a VM started before sockets were bound by relative
+    name, the QMP socket)."""
+    work = os.path.abspath(workdir)
+    return owns(pid, os.path.join(work, "qemu.pid")) or owns(pid, os.path.join(work, "qmp.sock"))
+
+
+def _absolute(spec: VmSpec) -> VmSpec:
+    """`spec` with absolute paths: QEMU runs in the work directory (it binds
+    its sockets by relative name, see layerstore/unixsock.py), so a relative path
+    would name the wrong file."""
+    def absolute(path: Path | None) -> Path | None:
+        return None if path is None else Path(os.path.abspath(path))
+
+    return dataclasses.replace(spec, kernel=absolute(spec.kernel), initrd=absolute(spec.initrd),
+                               disk=absolute(spec.disk), workdir=absolute(spec.workdir),
+                               incoming=absolute(spec.incoming), memory_file=absolute(spec.memory_file))
 
 
 # QEMU's seccomp filter: obsolete, set*uid/gid and resource-control syscalls
@@ -122,7 +139,7 @@ class QemuVm:
             if self.ram_in_file:  # RAM lives in its file: stream device state only
                 qmp.execute("migrate-set-capabilities",
                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-            qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(path))}"})
+            qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(os.path.abspath(path))}"})
             _wait_migrated(qmp, timeout=300)
 
     def kill(self) -> None:
@@ -171,6 +188,9 @@ class QemuBackend:
         self._warned = False
 
     def argv(self, spec: VmSpec) -> list[str]:
+        """The command line, to be run in `spec.workdir` (sockets are bound by
+        relative name: the work directory may be deeper than a socket address)."""
+        spec = _absolute(spec)
         w = spec.workdir
         machine = self.accel.qemu_machine
         memory: list[str] = []
@@ -189,9 +209,9 @@ class QemuBackend:
             "-chardev", f"file,id=console,path={w / 'console.log'},append=on", "-serial", "chardev:console",
             "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline,
             "-device", "virtio-serial-pci",
-            "-chardev", f"socket,id=agent,path={w / 'agent.sock'},server=on,wait=off",
+            "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
             "-device", "virtserialport,chardev=agent,name=strata.agent",
-            "-qmp", f"unix:{w / 'qmp.sock'},server=on,wait=off",
+            "-qmp", "unix:qmp.sock,server=on,wait=off", "-pidfile", str(w / "qemu.pid"),
             "-drive", f"file={spec.disk},format=raw,if=virtio,cache=none",
         ]
         if spec.netns is not None:
@@ -209,6 +229,7 @@ class QemuBackend:
         return argv + list(spec.extra)
 
     def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> QemuVm:
+        spec = _absolute(spec)
         if shutil.which(self.binary) is None and not os.path.exists(self.binary):
             raise VmmError(f"VMM binary {self.binary} not found (apt-get install qemu-system-x86)")
         for path, what in ((spec.kernel, "kernel"), (spec.initrd, "initrd"), (spec.disk, "disk")):
@@ -222,11 +243,11 @@ class QemuBackend:
             log.warning("%s", self.accel.reason)
             self._warned = True
         spec.workdir.mkdir(parents=True, exist_ok=True)
-        for name in ("agent.sock", "qmp.sock"):
+        for name in ("agent.sock", "qmp.sock", "qemu.pid"):
             (spec.workdir / name).unlink(missing_ok=True)
         with open(spec.workdir / "qemu.log", "ab") as qlog:
             proc = subprocess.Popen(self.argv(spec), stdin=subprocess.DEVNULL, stdout=qlog, stderr=qlog,
-                                    start_new_session=True)
+                                    cwd=spec.workdir, start_new_session=True)
         qmp = agent = None
         try:
             qmp = QMP(spec.workdir / "qmp.sock", timeout=30)

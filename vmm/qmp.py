@@ -15,6 +15,8 @@ from typing import Any
 
 from layerstore.errors import StrataError
 
+from layerstore.unixsock import connect_unix
+
 
 class QMPError(StrataError):
     """QEMU refused a command, or could not be reached in time."""
@@ -29,7 +31,7 @@ class QMP:
         while True:
             try:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.connect(self.path)
+                connect_unix(self._sock, self.path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 self._sock.close()

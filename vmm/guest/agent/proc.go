@@ -13,8 +13,9 @@ import (
 )
 
 const (
-	ringBytes   = 4 << 20 // output kept per process for hosts that re-attach
-	keepExited  = 256     // exited processes remembered (their exit and output)
+	ringBytes   = 4 << 20         // output kept per process for hosts that re-attach
+	keepExited  = 256             // exited processes remembered (their exit and output)
+	killWait    = 3 * time.Second // a SIGKILL's reply waits this long for the exit
 	readBlock   = 64 << 10
 	defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 )
@@ -39,6 +40,7 @@ type Proc struct {
 	kept   int   // bytes in chunks
 	total  int64 // bytes ever produced
 	exit   *Exit
+	killed bool // SIGKILL sent: gone to every later signal
 	ended  time.Time
 }
 
@@ -349,7 +351,7 @@ func (ps *Procs) signal(pid, sig int) error {
 		return err
 	}
 	p.mu.Lock()
-	gone := p.exit != nil
+	gone := p.exit != nil || p.killed
 	p.mu.Unlock()
 	if gone {
 		return fail("not_found", fmt.Sprintf("process %d has already exited", pid))
@@ -361,7 +363,30 @@ func (ps *Procs) signal(pid, sig int) error {
 	if err == syscall.ESRCH { // exited, and its exit not recorded yet (reap waits for its output)
 		return fail("not_found", fmt.Sprintf("process %d has already exited", pid))
 	}
+	if err == nil && syscall.Signal(sig) == syscall.SIGKILL {
+		p.awaitKilled()
+	}
 	return err
+}
+
+// awaitKilled marks a process SIGKILLed (it is gone for every later signal:
+// a second kill answers not_found, as the SDK expects) and waits briefly
+// for its exit to be recorded, so a kill that returned is a process that
+// ended (a zombie would otherwise still take signals until it is reaped).
+func (p *Proc) awaitKilled() {
+	p.mu.Lock()
+	p.killed = true
+	p.mu.Unlock()
+	deadline := time.Now().Add(killWait)
+	for time.Now().Before(deadline) {
+		p.mu.Lock()
+		done := p.exit != nil
+		p.mu.Unlock()
+		if done {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 func (ps *Procs) resize(pid int, size *Size) error {
