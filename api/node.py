@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from pathlib import Path
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
-from layerstore.nodes import Heartbeat, node_id_of
+from layerstore.nodes import Heartbeat, node_id_of, read_nodes
 from layerstore.oci import runtime_of
 from layerstore.refs import parse_ref
 from layerstore.store import Store
@@ -43,11 +44,11 @@ from vmm.agent import Agent, GuestMetrics
 from vmm.domain_gate import DomainGate
 from vmm.egress import Egress
 from vmm.events import LEVELS, Event
-from vmm.registry import SandboxRecord, new_sid
+from vmm.registry import SandboxRecord, new_sid, record_of
 from vmm.resolver import Resolver
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
-from . import listing
+from . import listing, placement
 from . import models as m
 from .builds import BUILD_KEY, Builds
 from .catalog import Catalog
@@ -106,7 +107,7 @@ class Node:
         network = self.boxes.network
         if network is not None:  # before any VM starts: theirs need the node's side
             network.prepare()
-        self._heartbeat = Heartbeat(self._record_backends(), self.node_id, self.gc_roots)
+        self._heartbeat = Heartbeat(self._record_backends(), self.node_id, self.gc_roots, about=self.about)
         self._heartbeat.start()
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
@@ -123,6 +124,8 @@ class Node:
             if record.state in ("running", "paused") and not self.boxes.backend.is_running(
                     self.boxes.registry.workdir(record.sid)):
                 self._vm_gone(record)
+            elif record.state == "suspended" and template is None:
+                self._still_ours(record)
         if network is not None:
             for sid in self.boxes.reconcile_network():
                 log.info("removed the network of sandbox %s, whose VM is gone", sid)
@@ -135,6 +138,17 @@ class Node:
             thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _still_ours(self, record: SandboxRecord) -> None:
+        """At start: a paused sandbox another node took over while this one was
+        down is forgotten here; one the store has no record of is published."""
+        seen = placement.read(self.store.backend, record.sid)
+        if seen is not None and seen.node != self.node_id:
+            log.warning("sandbox %s: taken over by node %s while this node was down; forgetting it here",
+                        record.sid, seen.node)
+            self._quietly(self.boxes.forget, record.sid)
+        elif seen is None or seen.record is None:
+            self._paused(record.sid)
 
     def _reap_leftovers(self) -> None:
         """Files a killed server or writer left: partial uploads, store temp files."""
@@ -154,9 +168,11 @@ class Node:
             log.warning("sandbox %s: its VM is gone; paused at its last snapshot %s", record.sid, record.last_snapshot)
             self._quietly(self.boxes.back_to_snapshot, record.sid, "its VM was gone when the node started: paused "
                                                                    "at its last snapshot")
+            self._paused(record.sid)
             return
         log.warning("sandbox %s: its VM is gone (host restarted?) and it has no snapshot; removing it", record.sid)
         self._quietly(self.boxes.kill, record.sid)
+        self._unplaced(record.sid)
 
     def _record_backends(self) -> list:
         """Where this node publishes its record: its store, and its remote (whose GC must keep
@@ -219,12 +235,15 @@ class Node:
             elif record.end_at is not None and now >= record.end_at:
                 if record.auto_pause:
                     self._quietly(self.boxes.suspend, record.sid)
+                    self._paused(record.sid)
                     done.append((record.sid, "paused"))
                 else:
                     self._quietly(self.boxes.kill, record.sid)
                     done.append((record.sid, "killed"))
         for sid, action in done:
             log.info("sandbox %s: timeout reached, %s", sid, action)
+            if action != "paused":
+                self._unplaced(sid)
         return done
 
     # warm pool -------------------------------------------------------------------------
@@ -453,37 +472,102 @@ class Node:
                 self.metrics.pool_hits.inc()
                 if egress is not None and pooled.network is not None:
                     self.boxes.set_egress(pooled.sid, egress)
-                return self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
-                                         end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
-                                         env={**pooled.env, **(env or {})}, access_token=new_token(),
-                                         traffic_token="" if public else new_token())
-            return self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
-                                      team=caller.team, env=env, disk_mb=disk_mb, egress=egress, public=public)
+                record = self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
+                                           end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
+                                           env={**pooled.env, **(env or {})}, access_token=new_token(),
+                                           traffic_token="" if public else new_token())
+            else:
+                record = self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
+                                            team=caller.team, env=env, disk_mb=disk_mb, egress=egress, public=public)
+        self._placed(record.sid)
+        return record
 
     def kill(self, caller: Caller, sid: str) -> None:
         self.record(sid, caller)
         with self.vmm("kill"):
             self.boxes.kill(sid)
         self.watchers.drop_sandbox(sid)
+        self._unplaced(sid)
 
     def pause(self, caller: Caller, sid: str) -> str:
-        """E2B's pause: snapshot to the store and free the VM (Conflict if already paused)."""
+        """E2B's pause: snapshot to the store and free the VM (Conflict if
+        already paused). Its record goes to the store too, so any node can
+        wake it if this one is gone."""
         if self.record(sid, caller).state == "suspended":
             raise Conflict(f"sandbox {sid} is already paused")
         with self.vmm("pause"):
-            return self.boxes.suspend(sid)
+            snapshot_id = self.boxes.suspend(sid)
+        self._paused(sid)
+        return snapshot_id
+
+    def _paused(self, sid: str) -> None:
+        """Publish a paused sandbox's record with its placement: any node may wake it (`_take_over`)."""
+        try:
+            record = asdict(self.boxes.registry.load(sid))
+        except StrataError:
+            return
+        placement.place(self.store.backend, sid, self.node_id, record=record)
 
     def resume(self, caller: Caller, sid: str, timeout: int | None) -> SandboxRecord:
-        record = self.record(sid, caller)
+        """Wake a paused sandbox: one of this node's, or one whose node is gone (taken over)."""
+        try:
+            record = self.record(sid, caller)
+        except NotFound:
+            return self._take_over(caller, sid, timeout)
         if record.state != "suspended":
             raise Conflict(f"sandbox {sid} is already running")
         ttl = self._ttl(timeout)
-        with self.vmm("resume"):
-            return self.boxes.wake(sid, end_at=time.time() + ttl).record  # type: ignore[operator]
+        self._claim_own(sid)
+        try:
+            with self.vmm("resume"):
+                woken = self.boxes.wake(sid, end_at=time.time() + ttl).record  # type: ignore[operator]
+        except BaseException:
+            self._paused(sid)  # paused still: any node may wake it again
+            raise
+        self._placed(sid)
+        return woken
+
+    def _claim_own(self, sid: str) -> None:
+        """Before waking one of this node's paused sandboxes: make sure no other node took it
+        over (if one did, this node forgets it: NotFound), and say in the store that it is
+        waking here, so none takes it from now on."""
+        seen = placement.read(self.store.backend, sid)
+        if seen is None:
+            return  # created before placements, or the store lost it: nothing to claim
+        if seen.node != self.node_id:
+            self.boxes.forget(sid)
+            raise NotFound(f"sandbox {sid} was taken over by node {seen.node}")
+        if seen.record is not None and not placement.claim(self.store.backend, sid, self.node_id, seen):
+            raise Conflict(f"sandbox {sid} changed hands while waking: try again")
+
+    def _take_over(self, caller: Caller, sid: str, timeout: int | None) -> SandboxRecord:
+        """Wake here a sandbox another node paused to the store, once that node is gone."""
+        backend = self.store.backend
+        seen = placement.read(backend, sid)
+        if seen is None or seen.node == self.node_id or seen.record is None:
+            raise NotFound(f"sandbox {sid} not found")  # unknown, or running on a node that is up
+        record = record_of(seen.record)
+        if record.sid != sid or not caller.sees(record.team):
+            raise NotFound(f"sandbox {sid} not found")
+        owner = next((v for v in read_nodes(backend) if v.node == seen.node), None)
+        if owner is not None and owner.live:
+            raise Conflict(f"sandbox {sid} is paused on node {seen.node}, which is up: resume it there")
+        ttl = self._ttl(timeout)
+        with self._capacity([sid], caller):
+            if not placement.claim(backend, sid, self.node_id, seen, record=seen.record):
+                raise Conflict(f"sandbox {sid} is being taken over by another node")
+            log.info("sandbox %s: taking it over from node %s, which is gone", sid, seen.node)
+            with self.vmm("resume"):
+                woken = self.boxes.adopt(record, end_at=time.time() + ttl).record  # type: ignore[operator]
+        self._placed(sid)
+        return woken
 
     def connect(self, caller: Caller, sid: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
         """Running: extend the TTL if `timeout` reaches further (200). Paused: resume (201)."""
-        record = self.record(sid, caller)
+        try:
+            record = self.record(sid, caller)
+        except NotFound:
+            return self._take_over(caller, sid, timeout), True
         if record.state == "suspended":
             return self.resume(caller, sid, timeout), True
         ttl = self._ttl(timeout)
@@ -518,8 +602,11 @@ class Node:
                                     end_at=time.time() + ttl, auto_pause=record.auto_pause,  # type: ignore[operator]
                                     env=record.env, metadata=dict(record.metadata), cwd=record.cwd,
                                     user=record.user)
-        return [self.boxes.update(f.record.sid, access_token=new_token(),  # one token each
-                                  traffic_token=new_token() if record.traffic_token else "") for f in forks]
+        records = [self.boxes.update(f.record.sid, access_token=new_token(),  # one token each
+                                     traffic_token=new_token() if record.traffic_token else "") for f in forks]
+        for fork in records:
+            self._placed(fork.sid)
+        return records
 
     def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:
         record = self.record(sid, caller)
@@ -589,6 +676,45 @@ class Node:
         names += [Name("snapshot", s) for s in self.boxes.registry.snapshot_users()]  # paused sandboxes wake from
         names += [Name("layer", manifest) for _ref, manifest, _updated in self.store.list_refs()]
         return names
+
+    def _placed(self, sid: str) -> None:
+        """Tell gateways: the placement record, and a fresh node record soon (one place fewer)."""
+        placement.place(self.store.backend, sid, self.node_id)
+        if self._heartbeat is not None:
+            self._heartbeat.nudge()
+
+    def _unplaced(self, sid: str) -> None:
+        placement.unplace(self.store.backend, sid)
+        if self._heartbeat is not None:
+            self._heartbeat.nudge()
+
+    def about(self) -> dict:
+        """What this node's record tells gateways (layerstore/nodes.py): where
+        to reach it, how full it is, its warm pools and the templates its
+        sandboxes run (their chunks are in its cache)."""
+        held = 0
+        pools: dict[str, int] = {}
+        templates: dict[str, int] = {}
+        for r in self.boxes.registry.all():
+            pool = r.metadata.get(POOL_KEY)
+            if pool is not None:
+                pools[pool] = pools.get(pool, 0) + 1
+            elif BUILD_KEY not in r.metadata:
+                held += 1
+                templates[r.template] = templates.get(r.template, 0) + 1
+        return {"url": self.url, "max": self.config.max_sandboxes, "held": held, "pools": pools,
+                "templates": templates}
+
+    @property
+    def url(self) -> str:
+        """Where other nodes and gateways reach this node: config advertise_url, or
+        http://HOST:PORT (the host name when listening on every address)."""
+        if self.config.advertise_url:
+            return self.config.advertise_url
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.config.port}"
 
     # what E2B's API shows of sandboxes ------------------------------------------------------
     def _disk_mb(self, record: SandboxRecord) -> int:

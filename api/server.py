@@ -65,6 +65,27 @@ def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace, ctx: NodeContext) -> int:
+    import uvicorn
+
+    from layerstore.store import open_backend
+
+    from .gateway import Cluster, Gateway
+
+    config = ctx.config
+    if not config.store:
+        raise InvalidInput("no store given: the gateway reads the cluster's shared store (--store s3://BUCKET/PREFIX "
+                           "or STRATA_STORE)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    backend = open_backend(config.store, endpoint=config.s3_endpoint, region=config.s3_region,
+                           path_style=config.s3_path_style != "false")
+    cluster = Cluster(backend, refresh=args.refresh)
+    log.info("gateway for the nodes of %s on http://%s:%d", backend.describe(), config.host, config.port)
+    uvicorn.run(Gateway(cluster), host=config.host, port=config.port, log_level="warning",
+                timeout_graceful_shutdown=10)
+    return 0
+
+
 def cmd_config_check(args: argparse.Namespace, ctx: NodeContext) -> int:
     from layerstore.config import FIELDS
 
@@ -93,6 +114,13 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-pool", action="append", metavar="TEMPLATE=N",
                    help="keep N pre-started paused sandboxes of TEMPLATE (repeatable; env STRATA_WARM_POOL)")
     p.set_defaults(func=cmd_serve)
+    p = nouns.add_parser("gateway", parents=[common],
+                         help="one E2B endpoint for every node sharing this store (stateless; run any number)")
+    p.add_argument("--host", help="listen address (env STRATA_HOST; default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (env STRATA_PORT; default 8080)")
+    p.add_argument("--refresh", type=float, default=5.0, metavar="SECONDS",
+                   help="how often the node records are re-read (default 5)")
+    p.set_defaults(func=cmd_gateway)
     config = nouns.add_parser("config", help="node configuration")
     cv = config.add_subparsers(dest="verb", metavar="VERB", required=True)
     p = cv.add_parser("check", parents=[common], help="validate the config file + environment and show the result")

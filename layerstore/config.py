@@ -236,6 +236,8 @@ class NodeConfig:
     domain: str = _setting("", _text, "domain of sandbox hosts, {port}-{id}.DOMAIN (E2B's `domain`; its "
                                       "wildcard DNS reaches this node, or a TLS proxy in front of it)")
     port: int = _setting("8080", _port, "port `strata serve` listens on")
+    advertise_url: str = _setting("", _text, "URL gateways and other nodes reach this node at (default "
+                                  "http://HOST:PORT, the host name when HOST is 0.0.0.0)")
     sandbox_memory: int = _setting("256", _positive, "guest memory of new sandboxes, MiB")
     sandbox_timeout: float = _setting("300s", parse_duration, "TTL of a sandbox created without a timeout")
     max_timeout: float = _setting("24h", parse_duration, "longest TTL a request may ask for")

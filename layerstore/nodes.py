@@ -3,7 +3,11 @@
     nodes/<node id>   {"node": "<id>", "ttl": 120, "token": "<uuid>",
                        "roots": [{"kind": "layer", "value": "<manifest id>"},
                                  {"kind": "snapshot", "value": "<snapshot id>"},
-                                 {"kind": "image", "value": "NAME:TAG"}, ...]}
+                                 {"kind": "image", "value": "NAME:TAG"}, ...],
+                       "about": {"url": "http://10.0.0.5:8080",      (where a gateway reaches it)
+                                 "max": 64, "held": 3,               (sandboxes: its limit, its count)
+                                 "pools": {"base": 2},               (warm sandboxes ready, by template)
+                                 "templates": {"base": 3}}}          (its sandboxes by template: cached chunks)
 
 A node (`strata serve`) rewrites its record every ttl/3 seconds with the
 roots only it knows: the layers its sandboxes' disks and RAM sit on, the
@@ -14,6 +18,9 @@ store's clock, layerstore/lease.py) may still describe sandboxes that
 need objects, so GC refuses to delete anything and names the node; an
 operator who drained that node removes its record with `strata gc
 --forget-node ID`. A node that comes back simply publishes again.
+
+The same records are the cluster's membership: a gateway (api/gateway.py)
+routes to the live nodes' URLs and places sandboxes by their `about`.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ import secrets
 import socket
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from .backend import Backend
+from .backend import Backend, ObjectInfo
 from .errors import BackendError, InvalidInput, NotFound, StrataError
 from .lease import is_live, store_now
 from .reach import Name
@@ -86,32 +95,40 @@ class NodeView:
     live: bool
     age: float  # seconds since its last renewal, by the store's clock
     roots: tuple[Name, ...]
+    about: dict[str, Any] = field(default_factory=dict)  # what the node says of itself (url, capacity)
 
 
-def publish(backend: Backend, node_id: str, roots: Iterable[Name], *, ttl: float = NODE_TTL) -> None:
+def publish(backend: Backend, node_id: str, roots: Iterable[Name], *, ttl: float = NODE_TTL,
+            about: dict[str, Any] | None = None) -> None:
     """Write (or renew) this node's record."""
     body = {"node": check_node_id(node_id), "ttl": ttl, "token": uuid.uuid4().hex,
             "roots": sorted(({"kind": n.kind, "value": n.value} for n in roots),
-                            key=lambda r: (r["kind"], r["value"]))}
+                            key=lambda r: (r["kind"], r["value"])), "about": about or {}}
     backend.put(f"{NODE_PREFIX}{node_id}", json.dumps(body, sort_keys=True).encode())
 
 
 def read_nodes(backend: Backend, *, now: float | None = None) -> list[NodeView]:
-    """Every node record, live or not; a torn record counts as a stale node."""
+    """Every node record, live or not; a torn record counts as a stale node.
+    Records are read 16 at a time: a gateway re-reads a thousand of them."""
     now = store_now(backend) if now is None else now
-    views = []
-    for info in backend.list(NODE_PREFIX):
-        node = info.key.removeprefix(NODE_PREFIX)
-        try:
-            data = json.loads(backend.get(info.key))
-            roots = tuple(Name(str(r["kind"]), str(r["value"])) for r in data["roots"] if r["kind"] in _KINDS)
-            record = {"ttl": float(data["ttl"])}
-        except NotFound:
-            continue  # forgotten meanwhile
-        except (ValueError, KeyError, TypeError):
-            roots, record = (), {"ttl": 0.0}
-        views.append(NodeView(node, is_live(record, info, now), now - info.modified, roots))
+    infos = list(backend.list(NODE_PREFIX))
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(infos)))) as pool:
+        views = [v for v in pool.map(lambda info: _view(backend, info, now), infos) if v is not None]
     return sorted(views, key=lambda v: v.node)
+
+
+def _view(backend: Backend, info: ObjectInfo, now: float) -> NodeView | None:
+    node = info.key.removeprefix(NODE_PREFIX)
+    try:
+        data = json.loads(backend.get(info.key))
+        roots = tuple(Name(str(r["kind"]), str(r["value"])) for r in data["roots"] if r["kind"] in _KINDS)
+        record = {"ttl": float(data["ttl"])}
+        about = data.get("about") if isinstance(data.get("about"), dict) else {}
+    except NotFound:
+        return None  # forgotten meanwhile
+    except (ValueError, KeyError, TypeError):
+        roots, record, about = (), {"ttl": 0.0}, {}
+    return NodeView(node, is_live(record, info, now), now - info.modified, roots, about)
 
 
 def forget(backend: Backend, node_id: str) -> bool:
@@ -148,19 +165,21 @@ class Heartbeat:
     """Publishes a node's record every ttl/3 on a thread, from `roots()`."""
 
     def __init__(self, backends: list[Backend], node_id: str, roots: Callable[[], list[Name]], *,
-                 ttl: float = NODE_TTL) -> None:
+                 ttl: float = NODE_TTL, about: Callable[[], dict[str, Any]] | None = None) -> None:
         self.backends = backends
         self.node_id = check_node_id(node_id)
         self.roots = roots
+        self.about = about or dict
         self.ttl = ttl
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self._nudged = threading.Event()
         self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
-        roots = self.roots()
+        roots, about = self.roots(), self.about()
         for backend in self.backends:
-            publish(backend, self.node_id, roots, ttl=self.ttl)
+            publish(backend, self.node_id, roots, ttl=self.ttl, about=about)
 
     def start(self) -> None:
         try:
@@ -171,8 +190,16 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="strata-node-heartbeat", daemon=True)
         self._thread.start()
 
+    def nudge(self) -> None:
+        """Publish soon, off the caller's thread (what gateways read changed: a sandbox came or went)."""
+        self._nudged.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+        while True:
+            self._nudged.wait(self.ttl / 3)
+            self._nudged.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.beat()
                 self.error = None
@@ -181,5 +208,6 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self._nudged.set()
         if self._thread is not None:
             self._thread.join(timeout=10)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import uuid
@@ -202,6 +203,15 @@ def guest_spec(guest: Path, disk: Path, work: Path, **kw: object) -> "VmSpec":
 
     return VmSpec(kernel=guest / "vmlinuz", initrd=guest / "initramfs.cpio.gz", disk=disk, workdir=work,
                   **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> random.Random:
+    """A random schedule for a fault test; its seed is printed (STRATA_FAULT_SEED replays one)."""
+    seed = int(os.environ.get("STRATA_FAULT_SEED", random.SystemRandom().randrange(1 << 32)))
+    request.node.user_properties.append(("fault seed", seed))
+    print(f"fault seed {seed} (replay with STRATA_FAULT_SEED={seed})")
+    return random.Random(seed)
 
 
 # the fault matrix's figures (tests/test_faults.py), printed at the end of a run

@@ -148,9 +148,9 @@ def k8s_objects() -> list[dict]:
     return docs
 
 
-def k8s_one(kind: str) -> dict:
-    found = [d for d in k8s_objects() if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+def k8s_one(kind: str, name: str | None = None) -> dict:
+    found = [d for d in k8s_objects() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
 
@@ -648,7 +648,8 @@ def container_port(container: dict, port: int | str) -> int:
 
 def test_k8s_objects_have_the_expected_kinds_in_one_namespace() -> None:
     objects = k8s_objects()
-    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "DaemonSet", "Namespace", "Secret", "Service"]
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "DaemonSet", "Deployment", "Namespace", "Secret",
+                                                  "Service", "Service"]
     namespace = k8s_one("Namespace")["metadata"]["name"]
     for obj in objects:
         assert obj.get("apiVersion") and obj["metadata"].get("name")
@@ -677,7 +678,7 @@ def test_k8s_daemonset_ports_probes_devices_and_config() -> None:
     security = container["securityContext"]
     assert security.get("privileged") or "SYS_ADMIN" in security.get("capabilities", {}).get("add", [])
     # the config comes from the ConfigMap, the secrets from the Secret
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     config_path = Path(env["STRATA_CONFIG"])
     cm = k8s_one("ConfigMap")
     assert volumes[mounts[str(config_path.parent)]]["configMap"]["name"] == cm["metadata"]["name"]
@@ -688,7 +689,7 @@ def test_k8s_daemonset_ports_probes_devices_and_config() -> None:
 
 
 def test_k8s_service_targets_the_node_port() -> None:
-    svc, ds = k8s_one("Service"), k8s_one("DaemonSet")
+    svc, ds = k8s_one("Service", "strata-node"), k8s_one("DaemonSet")
     pod = ds["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
@@ -777,3 +778,45 @@ def test_node_config_rejects_bad_values(tmp_path: Path, env: dict[str, str] | st
 def test_node_config_rejects_a_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="STRATA_CONFIG"):
         node_config({"STRATA_STORE": "/tmp/x"}, tmp_path / "absent.toml")
+
+
+def test_k8s_gateway_serves_the_cluster_and_nodes_advertise_their_pod_address() -> None:
+    deployment, svc = k8s_one("Deployment"), k8s_one("Service", "strata")
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["replicas"] >= 2  # stateless: any replica answers any request
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert not svc["spec"]["selector"].items() <= k8s_one("DaemonSet")["spec"]["template"]["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][-1] == "gateway" and container["command"][0].endswith("/strata")
+    (port,) = svc["spec"]["ports"]
+    assert port["port"] == PORT == container_port(container, port["targetPort"])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    env = {e["name"]: e for e in container["env"]}
+    cm = k8s_one("ConfigMap")
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    config_path = Path(env["STRATA_CONFIG"]["value"])
+    assert volumes[mounts[str(config_path.parent)]]["configMap"]["name"] == cm["metadata"]["name"]
+    assert not container.get("securityContext", {}).get("privileged")  # it needs no devices
+    # each node's record names its pod address, which is where the gateway sends its requests
+    (node,) = k8s_one("DaemonSet")["spec"]["template"]["spec"]["containers"]
+    node_env = {e["name"]: e for e in node["env"]}
+    assert node_env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    names = [e["name"] for e in node["env"]]
+    assert names.index("POD_IP") < names.index("STRATA_ADVERTISE_URL")  # $(POD_IP) expands only if defined first
+    assert node_env["STRATA_ADVERTISE_URL"]["value"] == f"http://$(POD_IP):{PORT}"
+
+
+def test_compose_gateway_fronts_the_nodes_on_the_shared_store() -> None:
+    compose = load_compose()
+    gateway = compose["services"]["gateway"]
+    nodes = compose_nodes(compose)
+    assert "gateway" not in nodes
+    assert gateway["command"][1] == "gateway" and gateway["image"] == next(iter(nodes.values()))["image"]
+    assert gateway["ports"] == [f"127.0.0.1:{PORT}:{PORT}"]
+    assert "--port" in gateway["command"] and gateway["command"][gateway["command"].index("--port") + 1] == str(PORT)
+    for node in nodes.values():
+        for key in ("STRATA_STORE", "STRATA_S3_ENDPOINT", "AWS_ACCESS_KEY_ID"):
+            assert gateway["environment"][key] == node["environment"][key]
+        # a node advertises http://HOSTNAME:PORT (its host is 0.0.0.0): the gateway reaches it by service name
+        assert node["hostname"] in compose["services"] and node["environment"]["STRATA_PORT"] == str(PORT)

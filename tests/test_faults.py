@@ -41,14 +41,6 @@ IMAGE_MIB = 48  # random bytes: every chunk distinct, so a push has work to be i
 
 
 @pytest.fixture
-def rng(request: pytest.FixtureRequest) -> random.Random:
-    seed = int(os.environ.get("STRATA_FAULT_SEED", random.SystemRandom().randrange(1 << 32)))
-    request.node.user_properties.append(("fault seed", seed))
-    print(f"fault seed {seed} (replay with STRATA_FAULT_SEED={seed})")
-    return random.Random(seed)
-
-
-@pytest.fixture
 def weed(tmp_path: Path) -> Iterator[SeaweedFS]:
     """A SeaweedFS of this test's own, so the test can take it away and bring it back."""
     server = SeaweedFS(tmp_path / "weed").start()

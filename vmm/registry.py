@@ -121,14 +121,14 @@ class Registry:
             raise NotFound(f"no sandbox {sid}") from None
         except ValueError:
             raise CorruptObject(f"the record of sandbox {sid} is unreadable ({self.workdir(sid) / RECORD})") from None
-        return _record(data)
+        return record_of(data)
 
     def all(self) -> list[SandboxRecord]:
         """Every readable record, oldest first (a torn or foreign directory is skipped)."""
         records = []
         for entry in self.root.iterdir():
             try:
-                records.append(_record(json.loads((entry / RECORD).read_text())))
+                records.append(record_of(json.loads((entry / RECORD).read_text())))
             except (OSError, ValueError, TypeError):
                 continue
         return sorted(records, key=lambda r: (r.created, r.sid))
@@ -183,7 +183,7 @@ class Registry:
                 os.close(fd)
 
 
-def _record(data: dict) -> SandboxRecord:
+def record_of(data: dict) -> SandboxRecord:
     """A record from its JSON, ignoring fields an older or newer Strata wrote."""
     known = {f.name for f in fields(SandboxRecord)}
     return SandboxRecord(**{k: v for k, v in data.items() if k in known})

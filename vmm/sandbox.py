@@ -576,6 +576,27 @@ class Sandboxes:
                 self.registry.save(record)
                 raise
 
+    def adopt(self, record: SandboxRecord, **lifetime: object) -> Sandbox:
+        """Take in a sandbox another node paused to the shared store (its
+        record as that node published it) and wake it here under the same id.
+        If waking fails the record stays here, paused: it is this node's now."""
+        if record.state != "suspended" or record.last_snapshot is None:
+            raise Conflict(f"sandbox {record.sid} is not paused to the store")
+        with self._locked(record.sid):
+            self._claim(record.sid)
+            record.pid, record.operation = None, ""
+            self.registry.save(record)
+            events.append(self.registry.workdir(record.sid), "info", "taken over from another node")
+            return self.wake(record.sid, **lifetime)
+
+    def forget(self, sid: str) -> None:
+        """Drop the record of a paused sandbox another node took over: its
+        snapshot is that node's now, so nothing in the store is touched."""
+        with self._locked(sid):
+            if self.registry.load(sid).state != "suspended":
+                raise Conflict(f"sandbox {sid} is not paused: only a paused sandbox moves between nodes")
+            self.registry.remove(sid)
+
     def _check_complete(self, snapshot_id: str, snap: Snapshot) -> None:
         """Refuse to start a VM whose memory or disk could fault on a missing chunk.
 

@@ -1,0 +1,504 @@
+"""`strata gateway`: one E2B endpoint for every node on a shared store.
+
+Stateless, so run as many as you like: what it routes by lives in the
+shared store, read through a short cache.
+  - members, their URLs and how full they are: node records
+    (layerstore/nodes.py), re-read every `refresh` seconds;
+  - where each sandbox runs: placement records (api/placement.py).
+
+    client -> gateway -> the node running the sandbox   E2b-Sandbox-Id header, {port}-{id}.DOMAIN
+                                                          host, /sandboxes/{id}/..., WebSockets too
+                      -> a node the scheduler picks      POST /sandboxes (next one if it is full)
+                      -> every node, merged             GET /sandboxes, /v2/sandboxes (paged here),
+                                                          /sandboxes/metrics, /admin/sandboxes
+                      -> the node a template hashes to  template builds (their state is the node's)
+                      -> any node                       the rest: images, snapshots, templates
+                                                          (one shared store behind them all)
+
+Placement prefers a node with a warm sandbox of the template ready, then
+the most free places, then a node already running the template (its chunks
+are cached there). Between two reads of the records the gateway counts what
+it placed itself, so a burst of creates spreads.
+
+The gateway checks no keys: the nodes do (they share STRATA_API_KEYS), and
+every header is passed on, Host included (upload links a node makes then
+point back at the gateway).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+from layerstore.backend import Backend
+from layerstore.errors import StrataError
+from layerstore.nodes import read_nodes
+
+from . import placement
+from .ports import PORT_HOST
+from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body, send_request,
+                    url_of)
+
+log = logging.getLogger("strata.gateway")
+
+SANDBOX_PATH = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)")
+TEMPLATE_PATH = re.compile(r"^/(?:v2/)?templates/([^/]+)/")
+MAX_BODY = 1 << 20  # a create or build request is buffered (it may go to a second node)
+PLACED_TTL = 30.0  # seconds a sandbox's node is remembered before the store is asked again
+UNREACHABLE_HEADER = "x-strata-unreachable-nodes"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A live node as the gateway places and routes by it."""
+
+    node: str
+    url: str
+    max: int = 0
+    held: int = 0
+    pools: dict[str, int] = field(default_factory=dict)
+    templates: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: str  # sandbox | create | list | metrics | template | build | health | any
+    key: str = ""  # the sandbox id, list flavour (v1, v2, admin) or template name
+
+
+def route(scope: Scope) -> Route:
+    """Where a request goes, from its host, headers and path alone."""
+    headers = {k.lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+    method, path = scope.get("method", "GET"), scope["path"]
+    host = PORT_HOST.match(headers.get(b"host", ""))  # envd's port too: the node serves it
+    if host is not None:
+        return Route("sandbox", host.group(2))
+    if headers.get(b"e2b-sandbox-id"):
+        return Route("sandbox", headers[b"e2b-sandbox-id"])
+    if path in ("/sandboxes", "/v2/sandboxes"):
+        if method == "POST":
+            return Route("create")
+        return Route("list", "v2" if path.startswith("/v2") else "v1")
+    if path == "/admin/sandboxes":
+        return Route("list", "admin")
+    if path == "/sandboxes/metrics":
+        return Route("metrics")
+    if (match := SANDBOX_PATH.match(path)) is not None:
+        return Route("sandbox", match.group(1))
+    if (match := TEMPLATE_PATH.match(path)) is not None:
+        return Route("template", match.group(1))
+    if path == "/v3/templates" and method == "POST":
+        return Route("build")
+    if path == "/health":
+        return Route("health")
+    return Route("any")
+
+
+def _rank(key: str, node: str) -> bytes:
+    """Rendezvous hashing: every gateway orders the nodes the same way for `key`."""
+    return hashlib.blake2b(f"{key}\0{node}".encode(), digest_size=8).digest()
+
+
+class Cluster:
+    """The members and placements a gateway routes by, read from the shared store (blocking calls)."""
+
+    def __init__(self, backend: Backend, *, refresh: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.refresh = refresh
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._members: list[Member] = []
+        self._read_at = float("-inf")
+        self._sent: dict[str, int] = {}  # node -> sandboxes placed there since the records were read
+        self._placed: dict[str, tuple[str, float]] = {}  # sid -> (node, when looked up)
+
+    def members(self) -> list[Member]:
+        """The live nodes that say where they are reached, re-read every `refresh` seconds."""
+        with self._lock:
+            if self.clock() - self._read_at < self.refresh:
+                return self._members
+        members = []
+        for view in read_nodes(self.backend):
+            url = view.about.get("url")
+            if not view.live or not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                continue
+            about = view.about
+            members.append(Member(view.node, url.rstrip("/"), max=_int(about.get("max")),
+                                  held=_int(about.get("held")), pools=_counts(about.get("pools")),
+                                  templates=_counts(about.get("templates"))))
+        with self._lock:
+            self._members, self._read_at, self._sent = members, self.clock(), {}
+        return members
+
+    def member(self, node: str) -> Member | None:
+        return next((m for m in self.members() if m.node == node), None)
+
+    def locate(self, sid: str) -> Member | None:
+        """The live node that runs `sid` (its placement record, remembered a while)."""
+        with self._lock:
+            cached = self._placed.get(sid)
+        if cached is not None and self.clock() - cached[1] < PLACED_TTL:
+            member = self.member(cached[0])
+            if member is not None:
+                return member
+        try:
+            node = placement.placed(self.backend, sid)
+        except StrataError:  # an id that is no sandbox id: nothing runs it
+            return None
+        if node is None:
+            return None
+        with self._lock:
+            if len(self._placed) > 100_000:
+                self._placed.clear()
+            self._placed[sid] = (node, self.clock())
+        return self.member(node)
+
+    def holder(self, sid: str) -> str | None:
+        """The node the store says holds `sid`, live or not (no cache)."""
+        return placement.placed(self.backend, sid)
+
+    def forget(self, sid: str) -> None:
+        """Ask the store again next time (the node answered that it does not run `sid`)."""
+        with self._lock:
+            self._placed.pop(sid, None)
+
+    def schedule(self, template: str) -> list[Member]:
+        """The members in the order a new sandbox of `template` should try them."""
+        with self._lock:
+            sent = dict(self._sent)
+
+        def score(m: Member) -> tuple:
+            free = m.max - m.held - sent.get(m.node, 0)
+            return (free > 0, m.pools.get(template, 0) > sent.get(m.node, 0), free,
+                    m.templates.get(template, 0) > 0, _rank(template, m.node))
+
+        return sorted(self.members(), key=score, reverse=True)
+
+    def placed_on(self, member: Member) -> None:
+        with self._lock:
+            self._sent[member.node] = self._sent.get(member.node, 0) + 1
+
+    def by_key(self, key: str) -> list[Member]:
+        """The members in rendezvous order for `key` (a template's builds stay on its first)."""
+        return sorted(self.members(), key=lambda m: _rank(key, m.node), reverse=True)
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _counts(value: object) -> dict[str, int]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, int)}
+
+
+class Gateway:
+    """The ASGI app of `strata gateway`."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._client: httpx.AsyncClient | None = None
+        self._turn = itertools.count()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = new_client()
+        return self._client
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] not in ("http", "websocket"):
+            return
+        r = route(scope)
+        try:
+            if r.kind == "sandbox":
+                await self._sandbox(scope, receive, send, r.key)
+            elif scope["type"] == "websocket":
+                await refuse(scope, send, 404, "WebSockets reach sandbox ports only")
+            elif r.kind == "create":
+                await self._create(scope, receive, send)
+            elif r.kind in ("list", "metrics"):
+                await self._fan_out(scope, send, r.key or "metrics")
+            elif r.kind == "health":
+                await self._health(scope, send)
+            else:
+                await self._elsewhere(scope, receive, send, r)
+        except StrataError as exc:  # the shared store failed under a lookup
+            await refuse(scope, send, 503, f"the cluster's store: {exc}")
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._client is not None:
+                    await self._client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _members(self) -> list[Member]:
+        return await anyio.to_thread.run_sync(self.cluster.members)
+
+    async def _sandbox(self, scope: Scope, receive: Any, send: Any, sid: str) -> None:
+        """To the node holding `sid`."""
+        member = await anyio.to_thread.run_sync(self.cluster.locate, sid)
+        if member is None:
+            member = await self._elsewhere_for(scope, send, sid)
+            if member is None:
+                return
+        what = f"node {member.node} (sandbox {sid})"
+        if scope["type"] == "websocket":
+            base = member.url.replace("http", "ws", 1)
+            scheme, _, rest = base.partition("://")
+            await forward_websocket(scope, receive, send, url_of(scheme, rest, scope), what=what)
+            return
+        scheme, _, rest = member.url.partition("://")
+        try:
+            response = await send_request(self.client, scope, url_of(scheme, rest, scope),
+                                          body=request_body(receive), what=what)
+        except Unreachable as exc:
+            self.cluster.forget(sid)
+            await refuse(scope, send, exc.status, str(exc))
+            return
+        if response.status_code == 404:
+            self.cluster.forget(sid)  # it may run elsewhere now: the next request asks the store
+        await relay(response, send, what=what)
+
+    async def _elsewhere_for(self, scope: Scope, send: Any, sid: str) -> Member | None:
+        """A sandbox whose node is not live: a resume (or connect) goes to the node the
+        scheduler picks, which takes it over if it was paused to the store; anything else
+        is refused, naming the node."""
+        owner = await anyio.to_thread.run_sync(self.cluster.holder, sid)
+        if owner is None:
+            await refuse(scope, send, 404, f"sandbox {sid} not found: no node of this cluster holds it")
+            return None
+        if scope.get("method") == "POST" and scope["path"].rstrip("/").endswith(("/resume", "/connect")):
+            members = await anyio.to_thread.run_sync(self.cluster.schedule, "")
+            if members:
+                return members[0]
+        await refuse(scope, send, 503, f"sandbox {sid} is on node {owner}, which is not answering; if it is "
+                                       "paused, resuming it wakes it on another node")
+        return None
+
+    async def _create(self, scope: Scope, receive: Any, send: Any) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            await refuse(scope, send, 413, f"request body over {MAX_BODY} bytes")
+            return
+        try:
+            template = str(json.loads(body or b"{}").get("templateID", ""))
+        except (ValueError, AttributeError):
+            template = ""  # the node answers the bad request
+        members = await anyio.to_thread.run_sync(self.cluster.schedule, template)
+        last: tuple[int, str] = (503, "no live node in this cluster (none has published a record with its URL)")
+        for member in members:
+            scheme, _, rest = member.url.partition("://")
+            what = f"node {member.node}"
+            try:
+                response = await send_request(self.client, scope, url_of(scheme, rest, scope), body=body, what=what)
+            except Unreachable as exc:
+                last = (exc.status, str(exc))
+                continue
+            if response.status_code in (429, 503) and member is not members[-1]:
+                await response.aread()
+                last = (response.status_code, response.text)
+                await response.aclose()
+                continue  # full (or draining): the next one
+            if response.status_code < 300:
+                self.cluster.placed_on(member)
+            await relay(response, send, what=what)
+            return
+        await refuse(scope, send, last[0], last[1])
+
+    async def _elsewhere(self, scope: Scope, receive: Any, send: Any, r: Route) -> None:
+        """Builds and templates by their name's node, the rest by turns."""
+        body: Any = request_body(receive)
+        if r.kind == "build":
+            body = await _read_body(receive)
+            if body is None:
+                await refuse(scope, send, 413, f"request body over {MAX_BODY} bytes")
+                return
+            try:
+                data = json.loads(body or b"{}")
+                key = str(data.get("name") or data.get("alias") or "")
+            except (ValueError, AttributeError):
+                key = ""
+            members = await anyio.to_thread.run_sync(self.cluster.by_key, key)
+        elif r.kind == "template":
+            members = await anyio.to_thread.run_sync(self.cluster.by_key, r.key)
+        else:
+            members = await self._members()
+            if members:
+                turn = next(self._turn) % len(members)
+                members = members[turn:] + members[:turn]
+        if not members:
+            await refuse(scope, send, 503, "no live node in this cluster")
+            return
+        member = members[0]
+        scheme, _, rest = member.url.partition("://")
+        what = f"node {member.node}"
+        try:
+            response = await send_request(self.client, scope, url_of(scheme, rest, scope), body=body, what=what)
+        except Unreachable as exc:
+            await refuse(scope, send, exc.status, str(exc))
+            return
+        await relay(response, send, what=what)
+
+    async def _fan_out(self, scope: Scope, send: Any, flavour: str) -> None:
+        """A listing across every node: the first refusal (a bad key) is the answer; nodes that
+        do not answer are named in a header."""
+        members = await self._members()
+        if not members:
+            await refuse(scope, send, 503, "no live node in this cluster")
+            return
+        if flavour == "metrics":
+            answers = await self._metrics(scope, members)
+        else:
+            answers = {}
+            async with anyio.create_task_group() as tasks:
+                for member in members:
+                    tasks.start_soon(self._collect, scope, member, flavour == "v2", answers)
+        missing = sorted(node for node, answer in answers.items() if isinstance(answer, Unreachable))
+        for answer in answers.values():
+            if isinstance(answer, httpx.Response):  # a refusal: the same on every node
+                await _send_json(send, answer.status_code, answer.content, {})
+                return
+        rows = [row for answer in answers.values() if isinstance(answer, list) for row in answer]
+        headers = {UNREACHABLE_HEADER: ",".join(missing)} if missing else {}
+        if flavour == "metrics":
+            merged = {k: v for answer in answers.values() if isinstance(answer, dict) for k, v in answer.items()}
+            await _send_json(send, 200, json.dumps({"sandboxes": merged}).encode(), headers)
+            return
+        if flavour == "v2":
+            try:
+                rows, token = _page(rows, _query(scope))
+            except ValueError as exc:
+                await refuse(scope, send, 400, str(exc))
+                return
+            if token:
+                headers["X-Next-Token"] = token
+        await _send_json(send, 200, json.dumps(rows).encode(), headers)
+
+    async def _collect(self, scope: Scope, member: Member, paged: bool, answers: dict[str, Any]) -> None:
+        """Every row `member` lists for this request (all its pages), or what went wrong."""
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k.lower() not in (b"host", b"content-length", b"connection")]
+        params = _query(scope)
+        if paged:
+            params = {k: v for k, v in params.items() if k not in ("limit", "nextToken")} | {"limit": "100"}
+        rows: list[Any] = []
+        for _ in range(1000):  # pages of 100: far past any node's sandboxes
+            try:
+                response = await self.client.get(f"{member.url}{scope['path']}", params=params, headers=headers)
+            except httpx.HTTPError as exc:
+                answers[member.node] = Unreachable(502, f"node {member.node}: {exc}")
+                return
+            if response.status_code != 200:
+                answers[member.node] = response
+                return
+            rows += response.json()
+            token = response.headers.get("x-next-token")
+            if not paged or not token:
+                break
+            params = {**params, "nextToken": token}
+        answers[member.node] = rows
+
+    async def _metrics(self, scope: Scope, members: list[Member]) -> dict[str, Any]:
+        """/sandboxes/metrics: each node asked for its own sandboxes."""
+        wanted = [s for s in _query(scope).get("sandbox_ids", "").split(",") if s][:100]
+        by_node: dict[str, list[str]] = {}
+        for sid in wanted:
+            member = await anyio.to_thread.run_sync(self.cluster.locate, sid)
+            by_node.setdefault(member.node if member else "", []).append(sid)
+        answers: dict[str, Any] = {}
+        if "" in by_node:
+            answers[""] = httpx.Response(404, json={"code": 404, "message": f"sandbox {by_node[''][0]} not found: "
+                                                                             "no live node of this cluster runs it"})
+            return answers
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k.lower() not in (b"host", b"content-length", b"connection")]
+        for member in members:
+            if member.node not in by_node:
+                continue
+            try:
+                response = await self.client.get(f"{member.url}/sandboxes/metrics", headers=headers,
+                                                  params={"sandbox_ids": ",".join(by_node[member.node])})
+            except httpx.HTTPError as exc:
+                answers[member.node] = Unreachable(502, f"node {member.node}: {exc}")
+                continue
+            answers[member.node] = response.json()["sandboxes"] if response.status_code == 200 else response
+        return answers
+
+    async def _health(self, scope: Scope, send: Any) -> None:
+        members = await self._members()
+        body = {"status": "ok" if members else "no nodes",
+                "nodes": [{"node": m.node, "url": m.url, "held": m.held, "max": m.max} for m in members]}
+        await _send_json(send, 200 if members else 503, json.dumps(body).encode(), {})
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    from urllib.parse import parse_qsl
+
+    return dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+
+
+def _page(rows: list[dict[str, Any]], query: dict[str, str]) -> tuple[list[dict[str, Any]], str | None]:
+    """E2B's v2 paging over every node's rows: by start time, then id; the
+    token names the last row of a page (as a node's own, api/listing.py)."""
+    order = query.get("order", "desc")
+    try:
+        limit = max(1, min(100, int(query.get("limit", "100"))))
+    except ValueError:
+        raise ValueError("limit must be a number from 1 to 100") from None
+
+    def key(row: dict[str, Any]) -> str:
+        return f"{row.get('startedAt', '')}|{row.get('sandboxID', '')}"
+
+    rows = sorted(rows, key=key, reverse=order == "desc")
+    token = query.get("nextToken")
+    if token:
+        try:
+            after = base64.urlsafe_b64decode(token.encode()).decode()
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError("nextToken is not a token this gateway issued") from None
+        keys = [key(r) for r in rows]
+        rows = rows[keys.index(after) + 1:] if after in keys else []
+    if len(rows) <= limit:
+        return rows, None
+    return rows[:limit], base64.urlsafe_b64encode(key(rows[limit - 1]).encode()).decode()
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    """The whole request body, None past MAX_BODY."""
+    chunks, size = [], 0
+    async for block in request_body(receive):
+        size += len(block)
+        if size > MAX_BODY:
+            return None
+        chunks.append(block)
+    return b"".join(chunks)
+
+
+async def _send_json(send: Any, status: int, body: bytes, headers: dict[str, str]) -> None:
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

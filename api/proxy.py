@@ -1,0 +1,150 @@
+"""Passing HTTP and WebSocket requests on, as an ASGI app: the node's port
+proxy (api/ports.py) to a sandbox's address, the gateway (api/gateway.py)
+to a node. Bodies stream both ways; hop-by-hop headers (and whatever the
+caller adds to `drop`) are not passed on; the Host header is. Failures to
+reach the target are JSON errors like the API's: 502 nothing answers, 504
+no answer in time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import anyio
+import httpx
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from . import errors
+
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade"})
+WS_OWN = frozenset({b"host", b"sec-websocket-key", b"sec-websocket-version", b"sec-websocket-extensions",
+                    b"sec-websocket-protocol", b"connection", b"upgrade"})
+TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=30.0)
+
+Scope = dict[str, Any]
+
+
+class Unreachable(Exception):
+    """The target did not take the request (nothing listening, no answer in
+    time); nothing was sent to the client yet, so the caller may try elsewhere."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def new_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=TIMEOUT, follow_redirects=False, trust_env=False)
+
+
+def url_of(scheme: str, base: str, scope: Scope) -> str:
+    """`base` (scheme://host:port) with the request's own path and query."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string", b"")
+    return f"{scheme}://{base}{path.decode('latin-1')}{'?' + query.decode('latin-1') if query else ''}"
+
+
+async def request_body(receive: Any) -> AsyncIterator[bytes]:
+    """The request's body as it arrives."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        yield message.get("body", b"")
+        if not message.get("more_body"):
+            return
+
+
+async def send_request(client: httpx.AsyncClient, scope: Scope, url: str, *, body: Any,
+                       drop: Iterable[bytes] = (), what: str) -> httpx.Response:
+    """Send the request on to `url` (headers but hop-by-hop and `drop`); the
+    response streams. Unreachable if nothing answered."""
+    dropped = HOP_BY_HOP | frozenset(drop)
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in dropped]
+    request = client.build_request(scope["method"], url, headers=headers,
+                                   content=body if scope["method"] not in ("GET", "HEAD") else None)
+    try:
+        return await client.send(request, stream=True)
+    except httpx.TimeoutException:
+        raise Unreachable(504, f"{what} did not answer in time") from None
+    except httpx.HTTPError:
+        raise Unreachable(502, f"nothing answers at {what}") from None
+
+
+async def relay(response: httpx.Response, send: Any, *, what: str) -> None:
+    """Stream `response` to the client, then close it."""
+    try:
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]})
+        async for block in response.aiter_raw():
+            await send({"type": "http.response.body", "body": block, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except httpx.HTTPError:  # the target broke off midway: so does the reply
+        raise RuntimeError(f"{what} broke off its reply") from None
+    finally:
+        await response.aclose()
+
+
+async def forward_http(client: httpx.AsyncClient, scope: Scope, receive: Any, send: Any, url: str, *,
+                       drop: Iterable[bytes] = (), what: str) -> None:
+    """The whole exchange: the request to `url`, its response to the client
+    (a JSON 502/504 if nothing answered)."""
+    try:
+        response = await send_request(client, scope, url, body=request_body(receive), drop=drop, what=what)
+    except Unreachable as exc:
+        await refuse(scope, send, exc.status, str(exc))
+        return
+    await relay(response, send, what=what)
+
+
+async def forward_websocket(scope: Scope, receive: Any, send: Any, url: str, *, drop: Iterable[bytes] = (),
+                            what: str) -> None:
+    """A WebSocket to `url`, messages relayed both ways until either side closes."""
+    if (await receive())["type"] != "websocket.connect":
+        return
+    dropped = WS_OWN | frozenset(drop)
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k.lower() not in dropped]
+    try:
+        upstream = await ws_connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
+                                    open_timeout=10, max_size=None, compression=None, user_agent_header=None)
+    except (OSError, TimeoutError, InvalidHandshake):
+        await send({"type": "websocket.close", "code": 1011, "reason": f"{what}: no WebSocket"[:120]})
+        return
+    await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+    async with upstream, anyio.create_task_group() as tasks:
+        async def to_target() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                data = message.get("text") if message.get("text") is not None else message.get("bytes")
+                try:
+                    await upstream.send(data if data is not None else b"")
+                except ConnectionClosed:
+                    break
+            tasks.cancel_scope.cancel()
+
+        async def to_client() -> None:
+            try:
+                async for data in upstream:
+                    key = "text" if isinstance(data, str) else "bytes"
+                    await send({"type": "websocket.send", key: data})
+            except ConnectionClosed:
+                pass
+            await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(to_target)
+        tasks.start_soon(to_client)
+
+
+async def refuse(scope: Scope, send: Any, status: int, message: str) -> None:
+    """A JSON error (before accept, a WebSocket client sees the close)."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008 if status < 500 else 1011, "reason": message[:120]})
+        return
+    response = errors.error_response(status, message)
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
