@@ -648,8 +648,8 @@ def container_port(container: dict, port: int | str) -> int:
 
 def test_k8s_objects_have_the_expected_kinds_in_one_namespace() -> None:
     objects = k8s_objects()
-    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "DaemonSet", "Deployment", "Namespace", "Secret",
-                                                  "Service", "Service"]
+    assert sorted(o["kind"] for o in objects) == ["ConfigMap", "CronJob", "DaemonSet", "Deployment", "Namespace",
+                                                  "Secret", "Service", "Service"]
     namespace = k8s_one("Namespace")["metadata"]["name"]
     for obj in objects:
         assert obj.get("apiVersion") and obj["metadata"].get("name")
@@ -820,3 +820,20 @@ def test_compose_gateway_fronts_the_nodes_on_the_shared_store() -> None:
             assert gateway["environment"][key] == node["environment"][key]
         # a node advertises http://HOSTNAME:PORT (its host is 0.0.0.0): the gateway reaches it by service name
         assert node["hostname"] in compose["services"] and node["environment"]["STRATA_PORT"] == str(PORT)
+
+
+def test_k8s_gc_runs_daily_from_its_own_pod_one_at_a_time() -> None:
+    job = k8s_one("CronJob")
+    assert job["spec"]["concurrencyPolicy"] == "Forbid"
+    pod = job["spec"]["jobTemplate"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][0].endswith("/strata") and container["command"][1] == "gc"
+    assert "--grace" not in container["command"]  # the default grace period (24 h) stays
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    config_path = Path(env["STRATA_CONFIG"])
+    assert volumes[mounts[str(config_path.parent)]]["configMap"]["name"] == k8s_one("ConfigMap")["metadata"]["name"]
+    assert env["STRATA_STATE_DIR"].startswith("/tmp/") and "emptyDir" in volumes[mounts["/tmp"]]
+    (source,) = container["envFrom"]
+    assert source["secretRef"]["name"] == k8s_one("Secret")["metadata"]["name"]

@@ -22,6 +22,7 @@ from tests.conftest import IN_CI, ROOT, needs_qemu
 from tests.node_server import API_KEY, NodeServer
 
 pytestmark = needs_qemu
+PAD_BLOCKS = 16  # 64 MiB files padding the image that is bigger than the node's disk
 
 
 @pytest.fixture(scope="module")
@@ -457,10 +458,10 @@ def test_a_debian_image_from_mmdebstrap_boots_and_runs_python(sdk: type, server:
 
 @pytest.mark.slow
 def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_path: Path) -> None:
-    """The Debian image padded with 1.5 GiB of real files (1.9 GiB disk) on a
-    node whose state (chunk cache, upper layers, sandboxes) sits on a 768 MiB
+    """The Debian image padded with 1 GiB of real files (1.4 GiB disk) on a
+    node whose state (chunk cache, upper layers, sandboxes) sits on a 512 MiB
     loop-mounted ext4: the guest reads every padding byte (checked by hash),
-    writes, pauses and resumes, and the cache never passes its 192 MiB cap."""
+    writes, pauses and resumes, and the cache never passes its 128 MiB cap."""
     import hashlib
     import threading
 
@@ -470,19 +471,19 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
 
     small = tmp_path / "small.ext4"
     with open(small, "wb") as f:
-        f.truncate(768 << 20)
+        f.truncate(512 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(small)], check=True)
     state = tmp_path / "state-on-small-disk"
     state.mkdir()
     subprocess.run(["mount", "-o", "loop", str(small), str(state)], check=True)
-    srv = NodeServer(tmp_path, guest, STRATA_STATE_DIR=str(state), STRATA_CACHE_SIZE="192M")
+    srv = NodeServer(tmp_path, guest, STRATA_STATE_DIR=str(state), STRATA_CACHE_SIZE="128M")
     done = threading.Event()
     try:
         hashed = hashlib.sha256()
 
-        def pad() -> Iterator[tuple[str, bytes]]:  # 1.5 GiB, 64 MiB in memory at a time
+        def pad() -> Iterator[tuple[str, bytes]]:  # 1 GiB, 64 MiB in memory at a time
             yield "pad", b""
-            for i in range(24):
+            for i in range(PAD_BLOCKS):
                 block = blake3.blake3(i.to_bytes(4, "little")).digest(length=64 << 20)
                 hashed.update(block)
                 yield f"pad/{i:02d}", block
@@ -526,12 +527,12 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
         assert sbx.pause() is True
         sbx = Sandbox.connect(sid, timeout=600)
         assert sbx.files.read("/root/written") == "after reading it all"
-        assert sbx.commands.run("head -c 1000 /pad/23 | wc -c").stdout.strip() == "1000"
+        assert sbx.commands.run(f"head -c 1000 /pad/{PAD_BLOCKS - 1:02d} | wc -c").stdout.strip() == "1000"
         done.set()
         watcher.join()
-        assert 0 < peak[0] <= 192 << 20, peak[0]
+        assert 0 < peak[0] <= 128 << 20, peak[0]
         print(f"disk {disk >> 20} MiB on a {os.statvfs(state).f_blocks * os.statvfs(state).f_frsize >> 20} MiB "
-              f"state fs; 1536 MiB read and hashed in the guest in {took:.1f} s; cache peak {peak[0] >> 20} MiB")
+              f"state fs; {PAD_BLOCKS * 64} MiB read and hashed in the guest in {took:.1f} s; cache peak {peak[0] >> 20} MiB")
         assert token  # the data plane was used with the sandbox's own token
         sbx.kill()
     finally:

@@ -359,18 +359,18 @@ def _damage(path: Path, how: str, rng: random.Random) -> None:
 
 def test_a_guest_flooding_output_and_console_is_capped(tmp_path: Path, guest: Path,
                                                        fault_ledger: dict[str, int]) -> None:
-    """A real guest prints 64 MB from one command and floods its console:
+    """A real guest prints 16 MB from one command and floods its console:
     the exec answers 200 with the head of the output and a truncation marker,
     two commands at once on the sandbox each get their own answer, the
     console log on the node stays near its cap, and the sandbox goes on
     working."""
     import threading
 
-    node = _serving(tmp_path, guest, STRATA_EXEC_OUTPUT_LIMIT="64K", STRATA_CONSOLE_LOG_LIMIT="256K")
+    node = _serving(tmp_path, guest, STRATA_EXEC_OUTPUT_LIMIT="64K", STRATA_CONSOLE_LOG_LIMIT="128K")
     try:
         c = node.client
         sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
-        r = c.post(f"/sandboxes/{sid}/exec", json={"command": "yes flood | head -c 64000000", "timeout": 300},
+        r = c.post(f"/sandboxes/{sid}/exec", json={"command": "yes flood | head -c 16000000", "timeout": 300},
                    timeout=330)
         fault_ledger["faults injected"] += 1
         assert r.status_code == 200, r.text
@@ -394,11 +394,11 @@ def test_a_guest_flooding_output_and_console_is_capped(tmp_path: Path, guest: Pa
             t.join()
         assert {i: a.get("output", a).strip() for i, a in answers.items()} == {i: f"mine-{i}" for i in range(3)}
 
-        # the console: 4 MB written to ttyS0 while the node samples the log's size
+        # the console: 1.5 MB written to ttyS0 while the node samples the log's size
         console = tmp_path / "state" / "sandboxes" / sid / "console.log"
         sizes: list[int] = []
         flooding = threading.Thread(target=lambda: answers.update(flood=c.post(
-            f"/sandboxes/{sid}/exec", json={"command": "head -c 4000000 /dev/zero | tr '\\0' c > /dev/console",
+            f"/sandboxes/{sid}/exec", json={"command": "head -c 1500000 /dev/zero | tr '\\0' c > /dev/console",
                                             "timeout": 600}, timeout=630).json()))
         flooding.start()
         while flooding.is_alive():
@@ -409,9 +409,9 @@ def test_a_guest_flooding_output_and_console_is_capped(tmp_path: Path, guest: Pa
         time.sleep(2.5)  # the rotation after the last write
         biggest = max(sizes + [console.stat().st_size])
         assert console.with_name("console.log.1").exists(), "the console log was never rotated"
-        assert console.with_name("console.log.1").stat().st_size <= 256 << 10
+        assert console.with_name("console.log.1").stat().st_size <= 128 << 10
         # rotation runs once a second: the log may pass its cap by what a guest's serial port writes in one
-        assert biggest < 4 << 20, f"console log reached {biggest} bytes against a 256K cap"
+        assert biggest < 1 << 20, f"console log reached {biggest} bytes against a 128K cap"
         assert _exec(node, sid, "echo alive") == "alive"
     finally:
         node.cleanup()
