@@ -18,8 +18,8 @@ Facts measured with SeaweedFS 4.48 that shape this module:
   skip ports whose socket files exist, reap our process in stop(), and only
   then remove our own leftover sockets.
 * SIGTERM is slow: the filer's graceful gRPC stop waits up to 15 s for its
-  streaming subscribers. Test data is throwaway, so stop() escalates to SIGKILL
-  after a few seconds.
+  streaming subscribers. Test data needs no graceful stop, so stop() escalates
+  to SIGKILL after half a second.
 * The Iceberg (8181) and Lance (9101) ports default to fixed numbers, so they
   are disabled to let two servers coexist; ``-logtostderr`` stops glog from
   writing weed.* files into $TMPDIR. Startup to a working S3 round-trip takes ~3.5 s.
@@ -198,6 +198,9 @@ class SeaweedFS:
             "-filer", f"-filer.port={p['filer']}", "-s3", f"-s3.port={p['s3']}", f"-s3.config={config}",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
             "-master.volumeSizeLimitMB=64", "-volume.max=100", "-volume.preStopSeconds=0",
+            # one master: leader at once. (Without it the volume server's first heartbeat often
+            # reaches a master still electing itself and retries 5 s later: 3.5 or 8.3 s to start.)
+            "-master.peers=none",
         ]
         with self.log_path.open("ab") as log:
             log.write(f"\n=== {' '.join(args)}\n".encode())
@@ -235,14 +238,15 @@ class SeaweedFS:
         return f"last {len(tail)} lines of {self.log_path}:\n" + "\n".join(tail)
 
     def stop(self, *, crash: bool = False) -> None:
-        """Idempotent: SIGTERM the group, SIGKILL after 3 s (graceful stop can take 15 s), reap, tidy sockets.
+        """Idempotent: SIGTERM the group, SIGKILL after 0.5 s (a graceful stop takes 3-15 s and test
+        data needs none: what weed wrote is in the files a restart reads), reap, tidy sockets.
         `crash` sends SIGKILL at once: the store vanishes mid-request, as in an outage."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         atexit.unregister(self.stop)
         try:
-            for sig, grace in ((signal.SIGKILL, None),) if crash else ((signal.SIGTERM, 3.0), (signal.SIGKILL, None)):
+            for sig, grace in ((signal.SIGKILL, None),) if crash else ((signal.SIGTERM, 0.5), (signal.SIGKILL, None)):
                 if proc.poll() is not None:
                     break
                 with contextlib.suppress(ProcessLookupError):  # pid is still ours: unreaped until wait()
