@@ -265,10 +265,11 @@ class Gateway:
             if member is None:
                 return
         what = f"node {member.node} (sandbox {sid})"
-        if scope["type"] == "websocket":
-            base = member.url.replace("http", "ws", 1)
-            scheme, _, rest = base.partition("://")
-            await forward_websocket(scope, receive, send, url_of(scheme, rest, scope), what=what)
+        if scope["type"] == "websocket":  # to the node, with the client's Host (it names the sandbox's port)
+            node = httpx.URL(member.url)
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), node.netloc.decode())
+            await forward_websocket(scope, receive, send, url_of("ws", host, scope), what=what,
+                                    connect_to=(node.host, node.port or 80))
             return
         scheme, _, rest = member.url.partition("://")
         try:

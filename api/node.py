@@ -544,8 +544,8 @@ class Node:
         """Wake here a sandbox another node paused to the store, once that node is gone."""
         backend = self.store.backend
         seen = placement.read(backend, sid)
-        if seen is None or seen.node == self.node_id or seen.record is None:
-            raise NotFound(f"sandbox {sid} not found")  # unknown, or running on a node that is up
+        if seen is None or seen.node == self.node_id or seen.record is None:  # unknown here, or running
+            raise NotFound(f"sandbox {sid} not found on this node (only a paused sandbox moves between nodes)")
         record = record_of(seen.record)
         if record.sid != sid or not caller.sees(record.team):
             raise NotFound(f"sandbox {sid} not found")

@@ -100,15 +100,20 @@ async def forward_http(client: httpx.AsyncClient, scope: Scope, receive: Any, se
 
 
 async def forward_websocket(scope: Scope, receive: Any, send: Any, url: str, *, drop: Iterable[bytes] = (),
-                            what: str) -> None:
-    """A WebSocket to `url`, messages relayed both ways until either side closes."""
+                            what: str, connect_to: tuple[str, int] | None = None) -> None:
+    """A WebSocket to `url`, messages relayed both ways until either side
+    closes. With `connect_to` (host, port) the connection goes there while
+    `url` still names the Host the handshake carries (a gateway passing a
+    `{port}-{id}.{domain}` host on to a node)."""
     if (await receive())["type"] != "websocket.connect":
         return
     dropped = WS_OWN | frozenset(drop)
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k.lower() not in dropped]
+    target = {"host": connect_to[0], "port": connect_to[1]} if connect_to else {}
     try:
         upstream = await ws_connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
-                                    open_timeout=10, max_size=None, compression=None, user_agent_header=None)
+                                    open_timeout=10, max_size=None, compression=None, user_agent_header=None,
+                                    proxy=None, **target)
     except (OSError, TimeoutError, InvalidHandshake):
         await send({"type": "websocket.close", "code": 1011, "reason": f"{what}: no WebSocket"[:120]})
         return
