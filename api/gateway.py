@@ -56,7 +56,7 @@ log = logging.getLogger("strata.gateway")
 SANDBOX_PATH = re.compile(r"^/(?:v2/)?sandboxes/([^/]+)")
 TEMPLATE_PATH = re.compile(r"^/(?:v2/)?templates/([^/]+)/")
 MAX_BODY = 1 << 20  # a create or build request is buffered (it may go to a second node)
-PLACED_TTL = 30.0  # seconds a sandbox's node is remembered before the store is asked again
+PLACED_TTL = 300.0  # seconds a sandbox's node is remembered (a 404 or a dead node forgets it sooner)
 UNREACHABLE_HEADER = "x-strata-unreachable-nodes"
 
 
@@ -271,17 +271,40 @@ class Gateway:
             await forward_websocket(scope, receive, send, url_of("ws", host, scope), what=what,
                                     connect_to=(node.host, node.port or 80))
             return
+        moving = _wakes(scope)
+        body: Any = await _read_body(receive) if moving else request_body(receive)
+        if body is None:
+            await refuse(scope, send, 413, f"request body over {MAX_BODY} bytes")
+            return
+        response = await self._try(scope, member, body, what)
+        if moving and (isinstance(response, Unreachable) or response.status_code == 429):
+            # a resume its node cannot take (gone, or full): the scheduler's pick takes the sandbox over
+            others = [m for m in await anyio.to_thread.run_sync(self.cluster.schedule, "") if m != member]
+            if others:
+                if isinstance(response, httpx.Response):
+                    await response.aclose()
+                response = await self._try(scope, others[0], body, f"node {others[0].node} (sandbox {sid})")
+        if isinstance(response, Unreachable):
+            self.cluster.forget(sid)
+            await refuse(scope, send, 503, f"sandbox {sid} is unavailable: {response}")
+            return
+        if response.status_code == 404:  # it may run elsewhere now (taken over): ask the store again
+            self.cluster.forget(sid)
+            moved = await anyio.to_thread.run_sync(self.cluster.locate, sid)
+            if moved is not None and moved != member and scope["method"] in ("GET", "HEAD", "DELETE"):
+                await response.aclose()  # a request without a body can go again, to where it is now
+                response = await self._try(scope, moved, b"", f"node {moved.node} (sandbox {sid})")
+                if isinstance(response, Unreachable):
+                    await refuse(scope, send, 503, f"sandbox {sid} is unavailable: {response}")
+                    return
+        await relay(response, send, what=what)
+
+    async def _try(self, scope: Scope, member: Member, body: Any, what: str) -> httpx.Response | Unreachable:
         scheme, _, rest = member.url.partition("://")
         try:
-            response = await send_request(self.client, scope, url_of(scheme, rest, scope),
-                                          body=request_body(receive), what=what)
+            return await send_request(self.client, scope, url_of(scheme, rest, scope), body=body, what=what)
         except Unreachable as exc:
-            self.cluster.forget(sid)
-            await refuse(scope, send, exc.status, str(exc))
-            return
-        if response.status_code == 404:
-            self.cluster.forget(sid)  # it may run elsewhere now: the next request asks the store
-        await relay(response, send, what=what)
+            return exc
 
     async def _elsewhere_for(self, scope: Scope, send: Any, sid: str) -> Member | None:
         """A sandbox whose node is not live: a resume (or connect) goes to the node the
@@ -291,12 +314,12 @@ class Gateway:
         if owner is None:
             await refuse(scope, send, 404, f"sandbox {sid} not found: no node of this cluster holds it")
             return None
-        if scope.get("method") == "POST" and scope["path"].rstrip("/").endswith(("/resume", "/connect")):
+        if _wakes(scope):
             members = await anyio.to_thread.run_sync(self.cluster.schedule, "")
             if members:
                 return members[0]
-        await refuse(scope, send, 503, f"sandbox {sid} is on node {owner}, which is not answering; if it is "
-                                       "paused, resuming it wakes it on another node")
+        await refuse(scope, send, 503, f"sandbox {sid} is unavailable: its node {owner} is not answering; if it "
+                                       "is paused, resuming it wakes it on another node")
         return None
 
     async def _create(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -382,7 +405,7 @@ class Gateway:
             if isinstance(answer, httpx.Response):  # a refusal: the same on every node
                 await _send_json(send, answer.status_code, answer.content, {})
                 return
-        rows = [row for answer in answers.values() if isinstance(answer, list) for row in answer]
+        rows = _unique([row for answer in answers.values() if isinstance(answer, list) for row in answer])
         headers = {UNREACHABLE_HEADER: ",".join(missing)} if missing else {}
         if flavour == "metrics":
             merged = {k: v for answer in answers.values() if isinstance(answer, dict) for k, v in answer.items()}
@@ -410,7 +433,7 @@ class Gateway:
             try:
                 response = await self.client.get(f"{member.url}{scope['path']}", params=params, headers=headers)
             except httpx.HTTPError as exc:
-                answers[member.node] = Unreachable(502, f"node {member.node}: {exc}")
+                answers[member.node] = Unreachable(503, f"node {member.node}: {exc}")
                 return
             if response.status_code != 200:
                 answers[member.node] = response
@@ -443,7 +466,7 @@ class Gateway:
                 response = await self.client.get(f"{member.url}/sandboxes/metrics", headers=headers,
                                                   params={"sandbox_ids": ",".join(by_node[member.node])})
             except httpx.HTTPError as exc:
-                answers[member.node] = Unreachable(502, f"node {member.node}: {exc}")
+                answers[member.node] = Unreachable(503, f"node {member.node}: {exc}")
                 continue
             answers[member.node] = response.json()["sandboxes"] if response.status_code == 200 else response
         return answers
@@ -453,6 +476,22 @@ class Gateway:
         body = {"status": "ok" if members else "no nodes",
                 "nodes": [{"node": m.node, "url": m.url, "held": m.held, "max": m.max} for m in members]}
         await _send_json(send, 200 if members else 503, json.dumps(body).encode(), {})
+
+
+def _wakes(scope: Scope) -> bool:
+    """A resume or connect: a request another node may answer by taking a paused sandbox over."""
+    return scope.get("method") == "POST" and scope["path"].rstrip("/").endswith(("/resume", "/connect"))
+
+
+def _unique(rows: list[Any]) -> list[Any]:
+    """One row per sandbox: a node that lost a paused sandbox to another lists it until it
+    next looks at the store; the running copy is the real one."""
+    best: dict[str, Any] = {}
+    for row in rows:
+        sid = row.get("sandboxID") if isinstance(row, dict) else None
+        if sid is None or sid not in best or row.get("state") == "running":
+            best[sid if sid is not None else id(row)] = row
+    return list(best.values())
 
 
 def _query(scope: Scope) -> dict[str, str]:

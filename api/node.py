@@ -35,7 +35,7 @@ from pathlib import Path
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
-from layerstore.nodes import Heartbeat, node_id_of, read_nodes
+from layerstore.nodes import Heartbeat, node_id_of
 from layerstore.oci import runtime_of
 from layerstore.refs import parse_ref
 from layerstore.store import Store
@@ -139,16 +139,21 @@ class Node:
             thread.start()
             self._threads.append(thread)
 
-    def _still_ours(self, record: SandboxRecord) -> None:
-        """At start: a paused sandbox another node took over while this one was
-        down is forgotten here; one the store has no record of is published."""
+    def _still_ours(self, record: SandboxRecord, *, publish: bool = True) -> None:
+        """A paused sandbox another node took over is forgotten here; at start
+        (`publish`), one the store has no record of is published."""
         seen = placement.read(self.store.backend, record.sid)
         if seen is not None and seen.node != self.node_id:
-            log.warning("sandbox %s: taken over by node %s while this node was down; forgetting it here",
-                        record.sid, seen.node)
+            log.warning("sandbox %s: taken over by node %s; forgetting it here", record.sid, seen.node)
             self._quietly(self.boxes.forget, record.sid)
-        elif seen is None or seen.record is None:
+        elif publish and (seen is None or seen.record is None):
             self._paused(record.sid)
+
+    def forget_moved(self) -> None:
+        """Forget the paused sandboxes other nodes took over (every 30 s, from the reaper)."""
+        for record in self.boxes.registry.all():
+            if record.state == "suspended" and POOL_KEY not in record.metadata:
+                self._still_ours(record, publish=False)
 
     def _reap_leftovers(self) -> None:
         """Files a killed server or writer left: partial uploads, store temp files."""
@@ -198,7 +203,11 @@ class Node:
             thread.join(timeout=30)
 
     def _reaper(self) -> None:
+        moved_check = time.monotonic() + 30
         while not self._stop.wait(1.0):
+            if time.monotonic() >= moved_check:
+                moved_check = time.monotonic() + 30
+                self.forget_moved()
             try:
                 self.supervisor.check(time.time())
             except (OSError, StrataError) as exc:  # never let the reaper thread die
@@ -541,7 +550,9 @@ class Node:
             raise Conflict(f"sandbox {sid} changed hands while waking: try again")
 
     def _take_over(self, caller: Caller, sid: str, timeout: int | None) -> SandboxRecord:
-        """Wake here a sandbox another node paused to the store, once that node is gone."""
+        """Wake here a sandbox another node paused to the store (a gateway sends the
+        resume here when that node is gone or full). The conditional claim decides
+        if that node wakes it at the same moment; it forgets it when it next looks."""
         backend = self.store.backend
         seen = placement.read(backend, sid)
         if seen is None or seen.node == self.node_id or seen.record is None:  # unknown here, or running
@@ -549,9 +560,6 @@ class Node:
         record = record_of(seen.record)
         if record.sid != sid or not caller.sees(record.team):
             raise NotFound(f"sandbox {sid} not found")
-        owner = next((v for v in read_nodes(backend) if v.node == seen.node), None)
-        if owner is not None and owner.live:
-            raise Conflict(f"sandbox {sid} is paused on node {seen.node}, which is up: resume it there")
         ttl = self._ttl(timeout)
         with self._capacity([sid], caller):
             if not placement.claim(backend, sid, self.node_id, seen, record=seen.record):

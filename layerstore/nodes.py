@@ -32,6 +32,7 @@ import re
 import secrets
 import socket
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 NODE_PREFIX = "nodes/"
 NODE_TTL = 120.0
+NUDGE_INTERVAL = 5.0  # seconds between the record writes nudges cause, at least
 _NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _KINDS = ("image", "snapshot", "template", "layer")
 
@@ -191,15 +193,21 @@ class Heartbeat:
         self._thread.start()
 
     def nudge(self) -> None:
-        """Publish soon, off the caller's thread (what gateways read changed: a sandbox came or went)."""
+        """Publish soon, off the caller's thread (what gateways read changed: a sandbox
+        came or went): at once, or `NUDGE_INTERVAL` after the last write if that was
+        sooner, so a node creating sandboxes every second writes its record every 5 s."""
         self._nudged.set()
 
     def _run(self) -> None:
+        last = time.monotonic()  # start() has just published
         while True:
-            self._nudged.wait(self.ttl / 3)
-            self._nudged.clear()
+            if self._nudged.wait(self.ttl / 3):
+                if self._stop.wait(max(0.0, NUDGE_INTERVAL - (time.monotonic() - last))):
+                    return
             if self._stop.is_set():
                 return
+            self._nudged.clear()
+            last = time.monotonic()
             try:
                 self.beat()
                 self.error = None

@@ -2,8 +2,9 @@
 a real store, then three real `strata serve` nodes on one shared store
 behind a real gateway, driven by the unchanged E2B SDK with real TCG guests:
 placement spreads and skips full nodes, commands and files reach the right
-guest by sandbox id, listings merge and page across nodes, a node that
-stops answering is named, bad ids get 404s."""
+guest by sandbox id, listings merge and page across nodes, a paused sandbox
+whose node is gone wakes on another with its files and processes, a node
+that stops answering is named (503), bad ids get 404s."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -150,8 +152,8 @@ def cluster(tmp_path: Path, guest: Path) -> Iterator[tuple[list[NodeServer], Gat
     finally:
         if gateway is not None:
             gateway.stop()
-        for srv in servers:
-            srv.cleanup()
+        with ThreadPoolExecutor(len(servers)) as pool:  # each stops its service, VMs and mount
+            list(pool.map(NodeServer.cleanup, servers))
 
 
 @needs_qemu
@@ -203,19 +205,21 @@ def test_three_nodes_behind_a_gateway(cluster: tuple[list[NodeServer], Gateway],
     again.kill()
 
     # paused, and its node goes away for good: resuming through the gateway wakes it on the free node
+    boxes[2].commands.run("sh -c 'while :; do sleep 1; done' >/dev/null 2>&1 & echo $! > /root/pid")
     assert boxes[2].pause() is True
     owner = next(srv for srv in servers if boxes[2].sandbox_id in on[srv.url])
     owner.stop()
     owner_id = (owner.tmp / "state" / "node-id").read_text().strip()
     store = open_store(str(owner.tmp.parent / "shared-store"))
     r = gateway.client.get(f"/sandboxes/{boxes[2].sandbox_id}")
-    assert r.status_code == 502, r.text  # its record is live still: the gateway tries the node
+    assert r.status_code == 503 and "unavailable" in r.json()["message"], r.text  # its record is live still
     nodes.publish(store.backend, owner_id, [], ttl=0)  # what its record looks like once it expires
     time.sleep(0.5)  # the gateway's next read of the records
     r = gateway.client.get(f"/sandboxes/{boxes[2].sandbox_id}")
     assert r.status_code == 503 and owner_id in r.json()["message"], r.text
     moved = Sandbox.connect(boxes[2].sandbox_id, timeout=300)
     assert moved.commands.run("cat /root/who").stdout == "box 2\n"  # its files came along
+    assert moved.commands.run("kill -0 $(cat /root/pid) && echo alive").stdout == "alive\n"  # and its memory
     assert moved.get_info().metadata["n"] == "2"
     assert boxes[2].sandbox_id in {s["sandboxID"] for s in freed.client.get("/sandboxes").json()}
     owner.start()  # the old node comes back: it forgets the sandbox another node took
@@ -232,11 +236,11 @@ def test_three_nodes_behind_a_gateway(cluster: tuple[list[NodeServer], Gateway],
                                json={}).status_code == 404
     assert gateway.client.post("/sandboxes", content=b"x" * (2 << 20)).status_code == 413
 
-    # a node that stops answering: its sandboxes answer 502 naming it, listings name it and go on
+    # a node that stops answering: its sandboxes answer 503 naming it, listings name it and go on
     victim = next(srv for srv in servers if boxes[1].sandbox_id in on[srv.url])
     victim.stop()
     r = gateway.client.get(f"/sandboxes/{boxes[1].sandbox_id}")
-    assert r.status_code == 502 and "node" in r.json()["message"], r.text
+    assert r.status_code == 503 and "node" in r.json()["message"], r.text
     listing = gateway.client.get("/sandboxes")
     assert listing.status_code == 200 and listing.headers["x-strata-unreachable-nodes"]
     assert boxes[2].sandbox_id in {s["sandboxID"] for s in listing.json()}

@@ -2,7 +2,7 @@
 real uvicorn on loopback, to real upstream servers on loopback standing in
 for a node: HTTP with bodies both ways, the Host header kept and hop-by-hop
 headers dropped, WebSockets routed by a `{port}-{id}.{domain}` host with that
-host in the handshake, and an upstream that is gone answering 502."""
+host in the handshake, and an upstream that is gone answering 503."""
 
 from __future__ import annotations
 
@@ -132,10 +132,10 @@ def test_a_websocket_reaches_the_node_with_the_sandbox_host(gateway: tuple[str, 
         assert ws.recv(timeout=10) == "8000-sbws.sandboxes.test|b'\\x00bytes'"
 
 
-def test_a_node_that_is_gone_answers_502_naming_it_and_unknown_ids_404(gateway: tuple[str, object, int]) -> None:
+def test_a_node_that_is_gone_answers_503_naming_it_and_unknown_ids_404(gateway: tuple[str, object, int]) -> None:
     url, _store, _port = gateway
     r = httpx.get(f"{url}/sandboxes/sbdead", timeout=30)
-    assert r.status_code == 502 and "dead-node" in r.json()["message"], r.text
+    assert r.status_code == 503 and "dead-node" in r.json()["message"], r.text
     r = httpx.get(f"{url}/sandboxes/nosuch", timeout=30)
     assert r.status_code == 404 and r.json()["code"] == 404
     r = httpx.post(f"{url}/sandboxes", content=b"{" * (2 << 20), timeout=30)
