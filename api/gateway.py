@@ -122,14 +122,37 @@ class Cluster:
         self._lock = threading.Lock()
         self._members: list[Member] = []
         self._read_at = float("-inf")
+        self._refreshing = False
         self._sent: dict[str, int] = {}  # node -> sandboxes placed there since the records were read
         self._placed: dict[str, tuple[str, float]] = {}  # sid -> (node, when looked up)
 
     def members(self) -> list[Member]:
-        """The live nodes that say where they are reached, re-read every `refresh` seconds."""
+        """The live nodes that say where they are reached, re-read every `refresh`
+        seconds off the requests' path (reading a thousand records takes seconds):
+        only the very first read is waited for."""
         with self._lock:
-            if self.clock() - self._read_at < self.refresh:
+            if self.clock() - self._read_at < self.refresh or self._refreshing:
                 return self._members
+            self._refreshing = True
+            if self._read_at != float("-inf"):
+                threading.Thread(target=self._refresh, name="strata-gateway-refresh", daemon=True).start()
+                return self._members
+        return self._refresh()
+
+    def _refresh(self) -> list[Member]:
+        try:
+            return self._read()
+        except StrataError as exc:  # the store is down: keep routing by what was read last
+            log.error("reading the node records: %s", exc)
+            with self._lock:
+                if self._read_at == float("-inf"):
+                    raise
+                return self._members
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    def _read(self) -> list[Member]:
         members = []
         for view in read_nodes(self.backend):
             url = view.about.get("url")

@@ -35,11 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 # Per-node inputs, measured here (README "Performance"; TCG guests, a local store, SeaweedFS on loopback).
 MEASURED = {
-    "restore_cold_s": 0.357,    # create from a snapshot template, empty chunk cache (--measure replaces
-    "restore_warm_s": 0.190,    # these three with this machine's figures), warm cache
+    "restore_cold_s": 0.711,    # create from a snapshot template, empty chunk cache (--measure replaces
+    "restore_warm_s": 0.398,    # these four with this machine's figures; these are its run of 2026-12-04)
     "pool_take_s": 0.02,        # a warm sandbox: vCPU resume (0.4 ms) + record update + HTTP (bench/api_load.py)
-    "start_fetch_mib": 40.0,    # chunk bytes such a cold create fetches (the cache's bytes_fetched)
-    "chunk_mib": 0.5,           # mean stored (zstd) object a fetch reads: 1 MiB chunks compress ~2x
+    "start_fetch_mib": 81.9,    # chunk bytes such a cold create fetches (the cache's bytes_fetched)
+    "start_fetch_objects": 82,  # and chunks (objects read from the store: its insertions)
+    "chunk_mib": 0.5,           # mean stored (zstd) chunk a snapshot writes: 1 MiB chunks compress ~2x
     "snapshot_mib": 7.3,        # incremental snapshot of a sandbox that wrote a little (vm_snapshot.py)
     "snapshot_objects": 4,      # its manifests (RAM, disk, state) and the snapshot object
     "fetch_mb_s": 179.0,        # cold buffered read through FUSE (bench/fuse_read.py)
@@ -72,7 +73,7 @@ def request_rates(fleet: Fleet, nodes: int, per_node: int, gateways: int, hit: f
     slots = nodes * per_node
     creates = slots / fleet.lifetime_s            # = kills, in steady state
     pauses = slots * fleet.pauses_per_hour / 3600  # = resumes
-    fetch_objects = m["start_fetch_mib"] / m["chunk_mib"]
+    fetch_objects = m["start_fetch_objects"]
     snap_chunks = m["snapshot_mib"] / m["chunk_mib"]
     rows = {
         "node records (heartbeats)": {"put": nodes / m["node_record_s"]},
@@ -206,16 +207,19 @@ def measure(guest: Path, work: Path, runs: int = 3) -> dict[str, float]:
             for drop, times in ((True, cold), (False, warm)):
                 if drop:
                     srv.admin.post("/admin/cache/drop").raise_for_status()
-                before = srv.client.get("/cache").json().get("bytes_fetched", 0)
+                stats = srv.client.get("/cache").json()
+                before = (stats.get("bytes_fetched", 0), stats.get("insertions", 0))
                 started = time.perf_counter()
                 r = srv.client.post("/sandboxes", json={"templateID": "model"})
                 times.append(time.perf_counter() - started)
                 assert r.status_code == 201, r.text
                 if drop:
-                    fetched.append(srv.client.get("/cache").json().get("bytes_fetched", 0) - before)
+                    stats = srv.client.get("/cache").json()
+                    fetched.append((stats.get("bytes_fetched", 0) - before[0], stats.get("insertions", 0) - before[1]))
                 srv.client.delete(f"/sandboxes/{r.json()['sandboxID']}")
         return {"restore_cold_s": round(statistics.median(cold), 3), "restore_warm_s": round(statistics.median(warm), 3),
-                "start_fetch_mib": round(statistics.median(fetched) / 2**20, 1)}
+                "start_fetch_mib": round(statistics.median(f[0] for f in fetched) / 2**20, 1),
+                "start_fetch_objects": statistics.median(f[1] for f in fetched)}
     finally:
         srv.cleanup()
 

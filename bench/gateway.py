@@ -118,7 +118,8 @@ def bench_scale(work: Path, sizes: list[int]) -> dict[str, Any]:
     try:
         for n in sizes:
             spec = f"s3://scale/n{n}" if weed else str(work / f"store-{n}")
-            store = open_store(spec, s3_endpoint=weed.endpoint if weed else "", create=True)
+            store = open_store(spec, s3_endpoint=weed.endpoint if weed else "", create=True,
+                               state_dir=work / f"state-{n}")
             backend = store.backend
             for i in range(n):
                 nodes.publish(backend, f"node-{i:04d}", [], about={
