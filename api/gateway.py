@@ -27,7 +27,6 @@ point back at the gateway).
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import itertools
 import json
@@ -43,10 +42,10 @@ import anyio
 import httpx
 
 from layerstore.backend import Backend
-from layerstore.errors import StrataError
+from layerstore.errors import InvalidInput, StrataError
 from layerstore.nodes import read_nodes
 
-from . import placement
+from . import listing, placement
 from .ports import PORT_HOST
 from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body, send_request,
                     url_of)
@@ -437,7 +436,7 @@ class Gateway:
         if flavour == "v2":
             try:
                 rows, token = _page(rows, _query(scope))
-            except ValueError as exc:
+            except InvalidInput as exc:
                 await refuse(scope, send, 400, str(exc))
                 return
             if token:
@@ -524,29 +523,17 @@ def _query(scope: Scope) -> dict[str, str]:
 
 
 def _page(rows: list[dict[str, Any]], query: dict[str, str]) -> tuple[list[dict[str, Any]], str | None]:
-    """E2B's v2 paging over every node's rows: by start time, then id; the
-    token names the last row of a page (as a node's own, api/listing.py)."""
-    order = query.get("order", "desc")
+    """E2B's v2 paging over every node's rows, as a node pages its own (api/listing.py)."""
     try:
         limit = max(1, min(100, int(query.get("limit", "100"))))
     except ValueError:
-        raise ValueError("limit must be a number from 1 to 100") from None
+        raise InvalidInput("limit must be a number from 1 to 100") from None
 
-    def key(row: dict[str, Any]) -> str:
+    def cursor(row: dict[str, Any]) -> str:
         return f"{row.get('startedAt', '')}|{row.get('sandboxID', '')}"
 
-    rows = sorted(rows, key=key, reverse=order == "desc")
-    token = query.get("nextToken")
-    if token:
-        try:
-            after = base64.urlsafe_b64decode(token.encode()).decode()
-        except (ValueError, UnicodeDecodeError):
-            raise ValueError("nextToken is not a token this gateway issued") from None
-        keys = [key(r) for r in rows]
-        rows = rows[keys.index(after) + 1:] if after in keys else []
-    if len(rows) <= limit:
-        return rows, None
-    return rows[:limit], base64.urlsafe_b64encode(key(rows[limit - 1]).encode()).decode()
+    return listing.page(rows, order=query.get("order", "desc"), limit=limit, token=query.get("nextToken"),
+                        key=cursor, cursor=cursor)
 
 
 async def _read_body(receive: Any) -> bytes | None:

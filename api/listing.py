@@ -11,7 +11,8 @@ has since gone ends the listing rather than restarting it.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 from urllib.parse import unquote_plus
 
 from layerstore.errors import InvalidInput
@@ -20,6 +21,7 @@ from vmm.registry import SandboxRecord
 from .models import e2b_state
 
 STATES = frozenset({"running", "paused"})
+T = TypeVar("T")
 
 
 def metadata_query(raw: str | None) -> dict[str, str]:
@@ -53,18 +55,23 @@ def _cursor(record: SandboxRecord) -> str:
     return f"{record.created!r}|{record.sid}"
 
 
-def page(records: list[SandboxRecord], *, order: str, limit: int,
-         token: str | None) -> tuple[list[SandboxRecord], str | None]:
-    """One page of `records` by start time (`order` asc|desc) after the
-    sandbox `token` names, and the token of the next page (None: last page)."""
-    rows = sorted(records, key=lambda r: (r.created, r.sid), reverse=order == "desc")
+def _start(record: SandboxRecord) -> tuple[float, str]:
+    return record.created, record.sid
+
+
+def page(items: list[T], *, order: str, limit: int, token: str | None,
+         key: Callable[[T], Any] = _start, cursor: Callable[[T], str] = _cursor) -> tuple[list[T], str | None]:
+    """One page of `items` (sandbox records; a gateway's rows from every node)
+    by start time (`key`; `order` asc|desc) after the sandbox `token` names,
+    and the token of the next page (None: last page)."""
+    rows = sorted(items, key=key, reverse=order == "desc")
     if token:
         try:
             after = base64.urlsafe_b64decode(token.encode()).decode()
         except (ValueError, UnicodeDecodeError):
-            raise InvalidInput("nextToken is not a token this node issued") from None
-        keys = [_cursor(r) for r in rows]
+            raise InvalidInput("nextToken is not a token issued here") from None
+        keys = [cursor(r) for r in rows]
         rows = rows[keys.index(after) + 1:] if after in keys else []
     if len(rows) <= limit:
         return rows, None
-    return rows[:limit], base64.urlsafe_b64encode(_cursor(rows[limit - 1]).encode()).decode()
+    return rows[:limit], base64.urlsafe_b64encode(cursor(rows[limit - 1]).encode()).decode()

@@ -22,6 +22,7 @@ import pytest
 from api import placement
 from api.gateway import Cluster, Route, _page, route
 from layerstore import nodes
+from layerstore.errors import InvalidInput
 from layerstore.store import open_store
 from tests.conftest import ROOT, free_port, needs_qemu
 from tests.node_server import API_KEY, NodeServer
@@ -62,7 +63,7 @@ def test_paging_across_nodes_keeps_its_place() -> None:
     assert [r["sandboxID"] for r in last] == ["s0"] and token is None
     asc, _ = _page(rows, {"order": "asc", "limit": "1"})
     assert asc[0]["sandboxID"] == "s0"
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidInput):
         _page(rows, {"limit": "many"})
     assert _page(rows, {"nextToken": "bm90IG91cnM="}) == ([], None)  # a token naming no row ends the listing
 
