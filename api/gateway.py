@@ -176,10 +176,7 @@ class Cluster:
             member = self.member(cached[0])
             if member is not None:
                 return member
-        try:
-            node = placement.placed(self.backend, sid)
-        except StrataError:  # an id that is no sandbox id: nothing runs it
-            return None
+        node = placement.placed(self.backend, sid)  # a store that fails raises: 503, not 404
         if node is None:
             return None
         with self._lock:

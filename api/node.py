@@ -141,8 +141,13 @@ class Node:
 
     def _still_ours(self, record: SandboxRecord, *, publish: bool = True) -> None:
         """A paused sandbox another node took over is forgotten here; at start
-        (`publish`), one the store has no record of is published."""
-        seen = placement.read(self.store.backend, record.sid)
+        (`publish`), one the store has no record of is published. A store
+        that fails is logged: the next check asks again."""
+        try:
+            seen = placement.read(self.store.backend, record.sid)
+        except StrataError as exc:
+            log.error("sandbox %s: reading its placement: %s", record.sid, exc)
+            return
         if seen is not None and seen.node != self.node_id:
             log.warning("sandbox %s: taken over by node %s; forgetting it here", record.sid, seen.node)
             self._quietly(self.boxes.forget, record.sid)

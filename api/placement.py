@@ -25,7 +25,7 @@ from typing import Any
 
 from fusefs.control import check_sid
 from layerstore.backend import Backend
-from layerstore.errors import BackendError, NotFound, StrataError
+from layerstore.errors import BackendError, InvalidInput, NotFound, StrataError
 from layerstore.nodes import check_node_id
 
 log = logging.getLogger("strata.api")
@@ -64,18 +64,22 @@ def unplace(backend: Backend, sid: str) -> None:
 
 
 def read(backend: Backend, sid: str) -> Placement | None:
-    """Where `sid` is, None if nowhere (or the id or object is not one of ours)."""
+    """Where `sid` is, None if nowhere (or the id or object is not one of ours);
+    a store that fails raises (BackendError), never reads as "nowhere"."""
     try:
         key = PREFIX + check_sid(sid)
-        info = backend.head(key)
-        if info is None:
-            return None
+    except InvalidInput:
+        return None
+    info = backend.head(key)
+    if info is None:
+        return None
+    try:
         data = json.loads(backend.get(key))
         record = data.get("record")
         return Placement(check_node_id(data["node"]), info.version, record if isinstance(record, dict) else None)
     except NotFound:
         return None
-    except (ValueError, KeyError, TypeError, AttributeError, StrataError):
+    except (ValueError, KeyError, TypeError, AttributeError, InvalidInput):
         return None
 
 

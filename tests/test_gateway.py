@@ -246,3 +246,15 @@ def test_three_nodes_behind_a_gateway(cluster: tuple[list[NodeServer], Gateway],
     assert listing.status_code == 200 and listing.headers["x-strata-unreachable-nodes"]
     assert boxes[2].sandbox_id in {s["sandboxID"] for s in listing.json()}
     assert boxes[2].commands.run("echo still").stdout == "still\n"
+
+
+def test_a_store_that_fails_is_an_error_not_a_missing_sandbox() -> None:
+    from layerstore.errors import StrataError
+    from layerstore.store import open_backend
+
+    dead = open_backend("s3://gone/cluster", endpoint=f"http://127.0.0.1:{free_port()}", retry_attempts=1)
+    with pytest.raises(StrataError):
+        Cluster(dead).locate("sb1")  # the gateway answers 503 naming the store, never 404
+    with pytest.raises(StrataError):
+        placement.read(dead, "sb1")
+    assert placement.read(dead, "../x") is None  # no store request for an id that cannot exist
