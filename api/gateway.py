@@ -177,17 +177,20 @@ class Cluster:
             if member is not None:
                 return member
         node = placement.placed(self.backend, sid)  # a store that fails raises: 503, not 404
-        if node is None:
-            return None
         with self._lock:
+            if node is None:
+                self._placed.pop(sid, None)
+                return None
             if len(self._placed) > 100_000:
                 self._placed.clear()
             self._placed[sid] = (node, self.clock())
         return self.member(node)
 
     def holder(self, sid: str) -> str | None:
-        """The node the store says holds `sid`, live or not (no cache)."""
-        return placement.placed(self.backend, sid)
+        """The node `locate` found holding `sid`, live or not (None: the store has no placement)."""
+        with self._lock:
+            cached = self._placed.get(sid)
+        return cached[0] if cached is not None else None
 
     def forget(self, sid: str) -> None:
         """Ask the store again next time (the node answered that it does not run `sid`)."""
@@ -329,7 +332,7 @@ class Gateway:
         """A sandbox whose node is not live: a resume (or connect) goes to the node the
         scheduler picks, which takes it over if it was paused to the store; anything else
         is refused, naming the node."""
-        owner = await anyio.to_thread.run_sync(self.cluster.holder, sid)
+        owner = self.cluster.holder(sid)  # what `locate` just read: no second store request
         if owner is None:
             await refuse(scope, send, 404, f"sandbox {sid} not found: no node of this cluster holds it")
             return None
@@ -442,8 +445,7 @@ class Gateway:
 
     async def _collect(self, scope: Scope, member: Member, paged: bool, answers: dict[str, Any]) -> None:
         """Every row `member` lists for this request (all its pages), or what went wrong."""
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k.lower() not in (b"host", b"content-length", b"connection")]
+        headers = _asked_with(scope)
         params = _query(scope)
         if paged:
             params = {k: v for k, v in params.items() if k not in ("limit", "nextToken")} | {"limit": "100"}
@@ -476,8 +478,7 @@ class Gateway:
             answers[""] = httpx.Response(404, json={"code": 404, "message": f"sandbox {by_node[''][0]} not found: "
                                                                              "no live node of this cluster runs it"})
             return answers
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k.lower() not in (b"host", b"content-length", b"connection")]
+        headers = _asked_with(scope)
         for member in members:
             if member.node not in by_node:
                 continue
@@ -495,6 +496,12 @@ class Gateway:
         body = {"status": "ok" if members else "no nodes",
                 "nodes": [{"node": m.node, "url": m.url, "held": m.held, "max": m.max} for m in members]}
         await _send_json(send, 200 if members else 503, json.dumps(body).encode(), {})
+
+
+def _asked_with(scope: Scope) -> list[tuple[str, str]]:
+    """The caller's headers for a request of the gateway's own to a node (its key, above all)."""
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+            if k.lower() not in (b"host", b"content-length", b"connection")]
 
 
 def _wakes(scope: Scope) -> bool:

@@ -531,28 +531,32 @@ class Node:
         if record.state != "suspended":
             raise Conflict(f"sandbox {sid} is already running")
         ttl = self._ttl(timeout)
-        self._claim_own(sid)
+        claimed = self._claim_own(sid)
         try:
             with self.vmm("resume"):
                 woken = self.boxes.wake(sid, end_at=time.time() + ttl).record  # type: ignore[operator]
         except BaseException:
             self._paused(sid)  # paused still: any node may wake it again
             raise
-        self._placed(sid)
+        if claimed:  # the claim already says it runs here
+            self._nudge()
+        else:
+            self._placed(sid)
         return woken
 
-    def _claim_own(self, sid: str) -> None:
+    def _claim_own(self, sid: str) -> bool:
         """Before waking one of this node's paused sandboxes: make sure no other node took it
         over (if one did, this node forgets it: NotFound), and say in the store that it is
-        waking here, so none takes it from now on."""
+        waking here, so none takes it from now on. False if the store has no placement."""
         seen = placement.read(self.store.backend, sid)
         if seen is None:
-            return  # created before placements, or the store lost it: nothing to claim
+            return False  # created before placements, or the store lost it: nothing to claim
         if seen.node != self.node_id:
             self.boxes.forget(sid)
             raise NotFound(f"sandbox {sid} was taken over by node {seen.node}")
         if seen.record is not None and not placement.claim(self.store.backend, sid, self.node_id, seen):
             raise Conflict(f"sandbox {sid} changed hands while waking: try again")
+        return True
 
     def _take_over(self, caller: Caller, sid: str, timeout: int | None) -> SandboxRecord:
         """Wake here a sandbox another node paused to the store (a gateway sends the
@@ -693,11 +697,14 @@ class Node:
     def _placed(self, sid: str) -> None:
         """Tell gateways: the placement record, and a fresh node record soon (one place fewer)."""
         placement.place(self.store.backend, sid, self.node_id)
-        if self._heartbeat is not None:
-            self._heartbeat.nudge()
+        self._nudge()
 
     def _unplaced(self, sid: str) -> None:
         placement.unplace(self.store.backend, sid)
+        self._nudge()
+
+    def _nudge(self) -> None:
+        """A fresh node record soon: what gateways place by changed."""
         if self._heartbeat is not None:
             self._heartbeat.nudge()
 

@@ -136,8 +136,7 @@ def placement_hit_rate(fleet: Fleet, nodes: int, per_node: int, cache_templates:
     count = [0] * nodes
     caches: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(nodes)]
     running: list[tuple[int, str]] = []
-    cluster = Cluster.__new__(Cluster)  # the scoring only: members come from this model, not a store
-    cluster._lock, cluster._sent = __import__("threading").Lock(), {}
+    cluster = Cluster(None)  # type: ignore[arg-type]  # the scoring only: members come from this model
     hits = creates = 0
     for _ in range(events):
         if running and (len(running) >= nodes * per_node * 0.9 or rng.random() < 0.5):
