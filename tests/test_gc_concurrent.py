@@ -31,7 +31,7 @@ from tests.conftest import ROOT, seaweed_env
 from tests.images import write_image
 from tests.seaweedfs_server import SeaweedFS
 
-RUN_SECONDS = 18.0
+RUN_SECONDS = 25.0
 TTL = 4.0  # leases and the GC lock: a killed holder's expires within the run
 IMAGES = 6
 
