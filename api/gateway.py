@@ -4,7 +4,7 @@ Stateless, so run as many as you like: what it routes by lives in the
 shared store, read through a short cache.
   - members, their URLs and how full they are: node records
     (layerstore/nodes.py), re-read every `refresh` seconds;
-  - where each sandbox runs: placement records (api/placement.py).
+  - where each sandbox runs: placement records (vmm/placement.py).
 
     client -> gateway -> the node running the sandbox   E2b-Sandbox-Id header, {port}-{id}.DOMAIN
                                                           host, /sandboxes/{id}/..., WebSockets too
@@ -44,8 +44,8 @@ import httpx
 from layerstore.backend import Backend
 from layerstore.errors import InvalidInput, StrataError
 from layerstore.nodes import read_nodes
-
-from . import listing, placement
+from vmm import placement
+from . import listing
 from .ports import PORT_HOST
 from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body, send_request,
                     url_of)

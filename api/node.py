@@ -44,11 +44,12 @@ from vmm.agent import Agent, GuestMetrics
 from vmm.domain_gate import DomainGate
 from vmm.egress import Egress
 from vmm.events import LEVELS, Event
+from vmm import placement
 from vmm.registry import SandboxRecord, new_sid, record_of
 from vmm.resolver import Resolver
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
-from . import listing, placement
+from . import listing
 from . import models as m
 from .builds import BUILD_KEY, Builds
 from .catalog import Catalog
@@ -107,7 +108,8 @@ class Node:
         network = self.boxes.network
         if network is not None:  # before any VM starts: theirs need the node's side
             network.prepare()
-        self._heartbeat = Heartbeat(self._record_backends(), self.node_id, self.gc_roots, about=self.about)
+        self._heartbeat = Heartbeat(self._record_backends(), self.node_id, self.gc_roots, about=self.about,
+                                    ttl=self.config.node_ttl)
         self._heartbeat.start()
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
@@ -700,7 +702,7 @@ class Node:
         self._nudge()
 
     def _unplaced(self, sid: str) -> None:
-        placement.unplace(self.store.backend, sid)
+        placement.unplace(self.store.backend, sid, holder=self.node_id)
         self._nudge()
 
     def _nudge(self) -> None:

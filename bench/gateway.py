@@ -101,7 +101,7 @@ def bench_routing(guest: Path, work: Path, runs: int, big: int) -> dict[str, Any
 
 def bench_scale(work: Path, sizes: list[int]) -> dict[str, Any]:
     """Gateway lookups against N node records in a real store."""
-    from api import placement
+    from vmm import placement
     from api.gateway import Cluster
     from layerstore import nodes
     from layerstore.store import open_store

@@ -63,7 +63,7 @@ def _store_options() -> dict[str, Any]:
     return NodeConfig.load(os.environ, require_store=False).store_options()
 
 
-def child(action: str, spec: str, now: float, grace: float) -> int:
+def child(action: str, spec: str, now: float, grace: float, delete_workers: int) -> int:
     """Run one action on the store and print one JSON object (stdout)."""
     from layerstore import gc as sgc
     from layerstore.store import open_store
@@ -79,7 +79,7 @@ def child(action: str, spec: str, now: float, grace: float) -> int:
                     size += info.size
             out.update(scanned=n, listed_bytes=size)
         elif action == "collect":
-            out.update(sgc.collect(store, grace=grace, now=now).as_dict())
+            out.update(sgc.collect(store, grace=grace, now=now, delete_workers=delete_workers).as_dict())
             out["missing"] = len(out["missing"])
         out["seconds"] = time.monotonic() - t0
     out["self_maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -181,7 +181,7 @@ def measure(run: str, rep: int, spec: str, now: float, args: argparse.Namespace,
 
     action = {"baseline": "baseline", "list": "list"}.get(run, "collect")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", action, "--spec", spec,
-           "--now", repr(now), "--grace", "0"]
+           "--now", repr(now), "--grace", "0", "--delete-workers", str(args.delete_workers)]
     m = ingest.run_measured(cmd, {}, log / run.replace(" ", "-"), args.timeout)
     r = RunResult(run, rep, command=m.cmd, wall_s=m.wall_s, cpu_s=m.user_s + m.sys_s, maxrss_bytes=m.maxrss_bytes)
     doc = ingest._parse_json(m.stdout)
@@ -293,6 +293,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=64 << 10, help="layer chunk size; zeros pad the payload")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workers", type=int, default=8, help="threads writing chunks while building")
+    p.add_argument("--delete-workers", type=int, default=8, help="DeleteObjects calls GC keeps in flight")
     p.add_argument("--repeat", type=int, default=1, help="fresh store per repeat; medians reported")
     p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     p.add_argument("--json", type=Path, metavar="FILE", help="write all numbers to FILE")
@@ -313,7 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        return child(args.child, args.spec, args.now, args.grace)
+        return child(args.child, args.spec, args.now, args.grace, args.delete_workers)
     import ingest  # run_measured in measure(); rss_method for the JSON
 
     run = args.workdir / "run"

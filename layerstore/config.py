@@ -89,6 +89,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _record_ttl(text: str) -> float:
+    value = parse_duration(text)
+    if value < 3:
+        raise ValueError(f"{text!r} is too short for a node record (renewed every third of it): at least 3s")
+    return value
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text not in choices:
@@ -238,6 +245,9 @@ class NodeConfig:
     port: int = _setting("8080", _port, "port `strata serve` listens on")
     advertise_url: str = _setting("", _text, "URL gateways and other nodes reach this node at (default "
                                   "http://HOST:PORT, the host name when HOST is 0.0.0.0)")
+    node_ttl: float = _setting("120s", _record_ttl, "how long this node's record in the store stays live "
+                               "unless renewed (every third of it); a killed node stops GC and is routed "
+                               "around once it lapses")
     sandbox_memory: int = _setting("256", _positive, "guest memory of new sandboxes, MiB")
     sandbox_timeout: float = _setting("300s", parse_duration, "TTL of a sandbox created without a timeout")
     max_timeout: float = _setting("24h", parse_duration, "longest TTL a request may ask for")

@@ -39,8 +39,8 @@ class NodeServer:
         self.admin = httpx.Client(base_url=self.url, headers={"X-API-Key": ADMIN_KEY}, timeout=300)
 
     def strata(self, *args: str) -> subprocess.CompletedProcess:
-        r = subprocess.run([str(ROOT / ".venv/bin/strata"), *args], env=self.env, capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run([*self.prefix, str(ROOT / ".venv/bin/strata"), *args], env=self.env, capture_output=True,
+                           text=True, timeout=300)
         assert r.returncode == 0, (args, r.stderr)
         return r
 
@@ -71,12 +71,20 @@ class NodeServer:
                 self.proc.wait()
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL the service, as a crash or a lost machine would: no goodbye, its record simply lapses
+        (its VMs and mount outlive it, as they do a restart)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
     def cleanup(self) -> None:
         """Stop the service, every VM it left and the mount."""
         self.stop()
-        subprocess.run([str(ROOT / ".venv/bin/strata"), "sandbox", "kill", "--all"], env=self.env,
+        subprocess.run([*self.prefix, str(ROOT / ".venv/bin/strata"), "sandbox", "kill", "--all"], env=self.env,
                        capture_output=True, timeout=300)
-        subprocess.run([str(ROOT / ".venv/bin/strata"), "umount", str(self.tmp / "state" / "mnt")], env=self.env,
+        subprocess.run([*self.prefix, str(ROOT / ".venv/bin/strata"), "umount", str(self.tmp / "state" / "mnt")], env=self.env,
                        capture_output=True, timeout=60)
         subprocess.run(["fusermount3", "-u", "-z", str(self.tmp / "state" / "mnt")], capture_output=True)
         self.client.close()

@@ -145,6 +145,28 @@ def test_of_gcs_racing_for_the_lock_exactly_one_holds_it(store: Store) -> None:
         store.backend.put(GC_LOCK, json.dumps({"holder": "died:1", "ttl": 0, "token": "dead"}).encode())
 
 
+def test_a_gc_another_gc_outran_deletes_nothing_twice(store: Store, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    doomed = garbage(store, tmp_path)
+    monkeypatch.setattr(gc, "DELETE_BATCH", 3)  # several waves of parallel batches
+    later = time.time() + 2 * HOUR
+    gc.collect(store, grace=HOUR, now=later)  # phase one: candidates
+    real = gc.plan
+    runs = []
+
+    def plan_then_outrun(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        planned = real(*args, **kwargs)
+        monkeypatch.setattr(gc, "plan", real)
+        runs.append(gc.collect(store, grace=HOUR, now=later + 2 * HOUR, delete_workers=2))  # between plan and sweep
+        return planned
+
+    monkeypatch.setattr(gc, "plan", plan_then_outrun)
+    late = gc.collect(store, grace=HOUR, now=later + 2 * HOUR)
+    assert late.deletable == len(doomed)  # its plan still named them...
+    assert late.deleted == 0 and runs[0].deleted == len(doomed)  # ...but the first GC deleted them, once
+    assert not (doomed & keys(store, "")) and not verify_store(store).errors
+
+
 def test_a_gc_that_lost_its_lock_stops_and_leaves_the_winners_lock(store: Store) -> None:
     first = GcLock(store.backend, ttl=0)  # stale the moment it is written: as if its holder hung
     assert first.acquire() is None

@@ -1,4 +1,4 @@
-"""Placement records (api/placement.py): what a gateway routes by and what a
+"""Placement records (vmm/placement.py): what a gateway routes by and what a
 node takes a paused sandbox over with; of nodes claiming one at once, one wins."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from api import placement
+from vmm import placement
 from layerstore.backend import Backend
 from layerstore.store import open_store
 
@@ -26,7 +26,9 @@ def test_place_read_and_unplace(backend: Backend) -> None:
     placement.place(backend, "sb1", "node-a", record={"sid": "sb1", "state": "suspended"})
     assert placement.read(backend, "sb1").record == {"sid": "sb1", "state": "suspended"}
     assert placement.placed(backend, "sb1") == "node-a"
-    placement.unplace(backend, "sb1")
+    placement.unplace(backend, "sb1", holder="node-b")  # a node forgets only what names it
+    assert placement.placed(backend, "sb1") == "node-a"
+    placement.unplace(backend, "sb1", holder="node-a")
     placement.unplace(backend, "sb1")  # twice is harmless
     assert placement.read(backend, "sb1") is None
 

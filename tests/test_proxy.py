@@ -20,7 +20,7 @@ import uvicorn
 from websockets.asyncio.server import serve
 from websockets.sync.client import connect
 
-from api import placement
+from vmm import placement
 from api.gateway import Cluster, Gateway
 from layerstore import nodes
 from layerstore.store import open_store

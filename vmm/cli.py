@@ -184,8 +184,15 @@ def cmd_kill(args: argparse.Namespace, ctx: NodeContext) -> int:
     sids = [r["sid"] for r in node.list()] if args.all else args.sid
     if not sids and not args.all:
         raise InvalidInput("name the sandboxes to kill, or pass --all")
+    from layerstore.nodes import existing_node_id
+
+    from .placement import unplace
+
+    holder = existing_node_id(Path(ctx.config.state_dir))  # None: this node never served, placed nothing
     for sid in sids:
         node.kill(sid)
+        if holder is not None:  # gateways stop routing to it
+            unplace(node.store.backend, sid, holder=holder)
     out.result({"killed": sids}, f"killed {len(sids)} sandbox(es)" + (": " + " ".join(sids) if sids else ""))
     return 0
 

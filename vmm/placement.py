@@ -4,7 +4,8 @@
                                "record": {...} | null}
 
 The node that creates (or forks) a sandbox writes it before it answers and
-removes it when the sandbox is killed or reclaimed. A gateway (api/gateway.py)
+removes it when the sandbox is killed or reclaimed (by the API or by
+`strata sandbox kill` on the node). A gateway (api/gateway.py)
 reads it to route a request that names the sandbox, and maps the node id to
 a URL through the node records (layerstore/nodes.py). While the sandbox is
 paused to the store, `record` holds its whole record (vmm/registry.py), so
@@ -28,7 +29,7 @@ from layerstore.backend import Backend
 from layerstore.errors import BackendError, InvalidInput, NotFound, StrataError
 from layerstore.nodes import check_node_id
 
-log = logging.getLogger("strata.api")
+log = logging.getLogger(__name__)
 
 PREFIX = "placements/"
 
@@ -53,9 +54,13 @@ def place(backend: Backend, sid: str, node_id: str, *, record: dict[str, Any] | 
         log.error("recording where sandbox %s runs: %s", sid, exc)
 
 
-def unplace(backend: Backend, sid: str) -> None:
-    """Forget where `sid` ran (it was killed); logged if the store fails."""
+def unplace(backend: Backend, sid: str, *, holder: str | None = None) -> None:
+    """Forget where `sid` ran (it was killed); with `holder`, only if the
+    placement names that node (a paused sandbox another node took is not
+    this node's to forget). Logged, not raised, if the store fails."""
     try:
+        if holder is not None and placed(backend, sid) != holder:
+            return
         backend.delete(PREFIX + check_sid(sid))
     except NotFound:
         pass
