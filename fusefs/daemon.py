@@ -51,12 +51,16 @@ from .view import LayerView
 
 log = logging.getLogger("strata.fusefs")
 
+RECORD_WINDOW = 10.0  # seconds of a layer's first use on a node recorded as its working set
+RECORD_SHARE = 0.5  # a recorded working set names at most this share of its layer's chunks
+
 
 class Catalogue:
     """Everything the filesystem serves: image views, sandboxes, prefetch."""
 
     def __init__(self, store: Store, cache: ChunkCache, upper_root: Path, *, prefetch_workers: int = 4,
-                 squash_depth: int = 32) -> None:
+                 squash_depth: int = 32, record_window: float = RECORD_WINDOW,
+                 record_share: float = RECORD_SHARE) -> None:
         self.store = store
         self.squash_depth = squash_depth  # a sealed stack deeper than this is squashed (layerstore/squash.py)
         self.cache = cache
@@ -70,6 +74,8 @@ class Catalogue:
         self._prefetch = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="strata-prefetch")
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="strata-seal")
         self._prefetched: set[str] = set()
+        self.record_window, self.record_share = record_window, record_share
+        self._recorders: list[threading.Timer] = []
         self.seals: dict[str, SealTicket] = {}
 
     # views ------------------------------------------------------------------
@@ -97,20 +103,44 @@ class Catalogue:
             pass
 
     def start_prefetch(self, view: LayerView) -> None:
-        """Fetch an image's recorded working set in the background, once per daemon."""
+        """The first open of a layer on this node (a boot or a restore): fetch
+        its recorded working set in the background, in recorded order, and
+        record what the guest reads in its first `record_window` seconds, to
+        be merged into that set for the next restore on any node."""
         with self._lock:
             if view.manifest_id in self._prefetched:
                 return
             self._prefetched.add(view.manifest_id)
         try:
-            indices = self.store.get_prefetch(view.manifest_id)
+            indices = self.store.get_prefetch(view.manifest_id) or []
         except StrataError as exc:
             log.warning("prefetch list of %s unreadable: %s", view.manifest_id, exc)
             return
-        for index in indices or ():
+        for index in indices:
             digest = view.chunks.get(index)
             if digest is not None:
                 self.schedule_prefetch(digest)
+        if self.record_window > 0:
+            timer = threading.Timer(self.record_window, self._record, (view, indices))
+            timer.daemon = True
+            with self._lock:
+                self._recorders.append(timer)
+            timer.start()
+
+    def _record(self, view: LayerView, known: list[int]) -> None:
+        """Publish the layer's working set: what it had, then what the guest
+        first read since (prefetches are not reads), at most `record_share`
+        of the layer's chunks. Unchanged: no write. A failure only costs the
+        next restore its head start."""
+        seen = set(known)
+        merged = known + [i for i in list(view.touched) if i not in seen]
+        merged = merged[:max(1, int(len(view.chunks) * self.record_share))]
+        if merged == known:
+            return
+        try:
+            self.store.put_prefetch(view.manifest_id, merged)
+        except StrataError as exc:
+            log.warning("recording the working set of %s: %s", view.manifest_id, exc)
 
     def record_prefetch(self, ref: Ref) -> PrefetchRecorded:
         view = self.view_for_ref(ref)
@@ -151,6 +181,7 @@ class Catalogue:
         view = self.view_for_ref(parse_ref(image)) if image else self.view_for_manifest(manifest)  # type: ignore[arg-type]
         upper = UpperLayer.create(self.upper_root / sid, view, relower=self.view_for_manifest, size=size)
         self._attach(upper)
+        self.start_prefetch(view)  # before the VMM opens it: the working set arrives while the VM starts
         return upper
 
     def remove_sandbox(self, sid: str) -> None:
@@ -227,6 +258,9 @@ class Catalogue:
         return SealState("done", manifest=ticket.future.result())
 
     def close(self) -> None:
+        with self._lock:
+            for timer in self._recorders:
+                timer.cancel()
         self._sealer.shutdown(wait=True)
         self._prefetch.shutdown(wait=False, cancel_futures=True)
         for upper in self.sandboxes.values():

@@ -15,6 +15,7 @@ turns into an error in bounded time, never a hang.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -23,6 +24,8 @@ from typing import Callable
 from layerstore.store import Store
 
 from .cache import ChunkCache
+
+log = logging.getLogger("strata.fusefs")
 
 
 class ChunkFetcher:
@@ -115,12 +118,18 @@ class ChunkFetcher:
         try:
             # a previous leader may have inserted it between our miss and now
             data = self.cache.read(digest) if self.cache.contains(digest) else None
-            if data is None:
-                self.fetches += 1
-                data = self._fetch(digest)
-                self.cache.put(digest, data)
+            if data is not None:
+                self._remember(digest, data)
+                future.set_result(data)
+                return data
+            self.fetches += 1
+            data = self._fetch(digest)  # verified
             self._remember(digest, data)
-            future.set_result(data)
+            future.set_result(data)  # waiting readers go on while the cache file is written
+            try:
+                self.cache.put(digest, data)
+            except Exception as exc:  # noqa: BLE001 - served from memory; the next read fetches again
+                log.error("caching chunk %s: %s", digest, exc)
             return data
         except BaseException as exc:
             future.set_exception(exc)

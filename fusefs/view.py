@@ -33,7 +33,7 @@ class LayerView:
     chunk_size: int
     chunks: dict[int, str]
     _zero: bytes = field(init=False, repr=False)
-    # chunk indices in first-read order: what `strata image record-prefetch` saves
+    # chunk indices in first-read order: the working set recorded beside the layer (daemon.py)
     touched: dict[int, None] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,7 +74,10 @@ class LayerView:
         digest = self.chunks.get(index)
         if digest is None:
             return self._zero[: end - offset] if end - offset < self.chunk_size else self._zero
-        return self.fetcher.read_ready(digest, inner, end - offset)
+        data = self.fetcher.read_ready(digest, inner, end - offset)
+        if data is not None and index not in self.touched:  # served fast, still part of the working set
+            self.touched[index] = None
+        return data
 
     def zeros_if_hole(self, offset: int, length: int) -> bytes | None:
         """Zeros for a range that touches no stored chunk, else None (cheap: no I/O)."""

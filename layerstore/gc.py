@@ -16,7 +16,8 @@ An unmarked object is deleted only when all of these hold:
     - the roots, marked once more right before deleting, still do not reach
       it.
 
-Deletion removes manifests before chunks, so a GC that dies midway leaves
+Deletion removes manifests (then what is kept beside them: working sets,
+partial-pull markers) before chunks, so a GC that dies midway leaves
 unreferenced chunks, never a manifest naming a missing one: the store stays
 valid and the next run finishes the job. `plan` is pure (reads only);
 `collect` runs it, then takes the GC lock and deletes nothing while leases
@@ -40,10 +41,11 @@ from .lease import GcLock, expired_leases, live_leases, store_now
 from .nodes import cluster_roots
 from .manifest import MANIFEST_PREFIX, manifest_key
 from .reach import Closure, Name
-from .store import Store
+from .store import PARTIAL_PREFIX, PREFETCH_PREFIX, Store
 
 CANDIDATES = "gc/candidates"
 SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX)
+SIDE_PREFIXES = (PREFETCH_PREFIX, PARTIAL_PREFIX)  # per-manifest objects deleted with their manifest
 DEFAULT_GRACE = 24 * 3600.0
 DELETE_BATCH = 1000  # keys per delete_many (S3's DeleteObjects limit)
 DELETE_WORKERS = 8  # delete_many calls in flight: a store with 100 M dead chunks is 100,000 batches
@@ -199,11 +201,36 @@ def _forget(store: Store, p: Plan, batch: list[str]) -> int:
     return sum(p.sizes.get(key, 0) for key in batch)
 
 
+def _delete(store: Store, backend: Backend, p: Plan, doomed: list[str], lock: GcLock,
+            progress: Callable[[int], None] | None, *, workers: int) -> tuple[int, int]:
+    """Delete `doomed`, `workers` batches at a time, renewing the lock before each wave; (deleted, freed).
+
+    Manifests first: a crash midway leaves orphan chunks, never a manifest
+    without its chunks. What is kept beside a manifest (its working set, its
+    partial-pull marker) goes with it, uncounted."""
+    deleted = freed = 0
+    manifests = sorted(k for k in doomed if k.startswith(MANIFEST_PREFIX))
+    chunks = sorted(k for k in doomed if not k.startswith(MANIFEST_PREFIX))
+    side = [prefix + key.removeprefix(MANIFEST_PREFIX) for key in manifests for prefix in SIDE_PREFIXES]
+    with ThreadPoolExecutor(workers) as pool:
+        for kind in (manifests, side, chunks):
+            batches = [kind[i:i + DELETE_BATCH] for i in range(0, len(kind), DELETE_BATCH)]
+            for wave in range(0, len(batches), workers):
+                lock.renew()  # still ours? (a GC that lost its lock deletes nothing more)
+                group = batches[wave:wave + workers]
+                list(pool.map(backend.delete_many, group))  # every batch done (or raised) before the next wave
+                for batch in group if kind is not side else []:
+                    freed += _forget(store, p, batch)
+                    deleted += len(batch)
+                    if progress is not None:
+                        progress(len(batch))
+    return deleted, freed
+
+
 def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
            progress: Callable[[int], None] | None,
            cluster: Callable[[], list[Name]], *, workers: int) -> tuple[int, int, str]:
     """Under the GC lock: delete what `p` found deletable and is still unmarked; (deleted, freed, postponed)."""
-    deleted = freed = 0
     postponed = ""
     lock = GcLock(backend)
     other = lock.acquire()
@@ -220,21 +247,7 @@ def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
             # a GC that finished since this one planned took what it deleted off the candidates
             still = _read_candidates(store)
             doomed = [k for k in p.deletable if k not in again and k in still]
-        # manifests first: a crash midway leaves orphan chunks, never a manifest without its chunks
-        manifests = sorted(k for k in doomed if k.startswith(MANIFEST_PREFIX))
-        chunks = sorted(k for k in doomed if not k.startswith(MANIFEST_PREFIX))
-        with ThreadPoolExecutor(workers) as pool:
-            for kind in (manifests, chunks):
-                batches = [kind[i:i + DELETE_BATCH] for i in range(0, len(kind), DELETE_BATCH)]
-                for wave in range(0, len(batches), workers):
-                    lock.renew()  # still ours? (a GC that lost its lock deletes nothing more)
-                    group = batches[wave:wave + workers]
-                    list(pool.map(backend.delete_many, group))  # every batch done (or raised) before the next wave
-                    for batch in group:
-                        freed += _forget(store, p, batch)
-                        deleted += len(batch)
-                        if progress is not None:
-                            progress(len(batch))
+        deleted, freed = _delete(store, backend, p, doomed, lock, progress, workers=workers)
         gone = set(doomed)
         remaining = {k: v for k, v in p.candidates.items() if k not in gone}
         backend.put(CANDIDATES, json.dumps(remaining, sort_keys=True).encode())

@@ -1,11 +1,13 @@
 """fusefs/daemon.py's Catalogue without a mount: seals keep a sandbox's
-layer stack shallow (squashed past `squash_depth`, reads unchanged), and
+layer stack shallow (squashed past `squash_depth`, reads unchanged),
 removing a sandbox discards seals the store refused instead of failing
-forever."""
+forever, and a layer's working set is recorded on its first use, then
+prefetched and merged by the next."""
 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,52 @@ def test_removing_a_sandbox_discards_a_seal_the_store_refused(cat: Catalogue,
     assert "sb1" not in cat.sandboxes and not root.exists()
     with pytest.raises(NotFound):
         cat.remove_sandbox("sb1")
+
+
+def wait_for(check, timeout: float = 10.0):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.02)
+    return check()
+
+
+def test_a_layers_working_set_is_recorded_on_first_use_and_prefetched_and_merged_after(tmp_path: Path) -> None:
+    """The first sandbox over a layer records what it read (fast path too) in
+    first-read order; the next node's sandbox prefetches exactly that before
+    a read, and adds what it read that was new; a set stays under its share."""
+    store = open_store(str(tmp_path / "store"))
+    write_image(tmp_path / "base.img", "rrrrrrrr", chunk=CS)
+    manifest = import_image(store, tmp_path / "base.img", "base:v1", chunk_size=CS).manifest_id
+
+    def node(name: str) -> Catalogue:
+        return Catalogue(store, ChunkCache(tmp_path / name, capacity=64 * MiB), tmp_path / f"uppers-{name}",
+                         record_window=0.3, record_share=0.5)
+
+    first = node("a")
+    try:
+        upper = first.create_sandbox("sb1", image="base:v1")
+        for index in (5, 2, 5):
+            upper.read(index * CS, 100)
+        view = first.view_for_manifest(manifest)
+        assert view.read_ready(3 * CS, 10) is None  # not cached: the slow path, which records it
+        view.read(3 * CS, 10)
+        assert view.read_ready(3 * CS, 10) is not None
+        assert wait_for(lambda: store.get_prefetch(manifest)) == [5, 2, 3]
+    finally:
+        first.close()
+
+    second = node("b")  # another node, an empty cache
+    try:
+        upper = second.create_sandbox("sb2", image="base:v1")  # prefetch starts before any read
+        digests = store.chunk_map(manifest)[1]
+        assert wait_for(lambda: all(second.cache.contains(digests[i]) for i in (5, 2, 3)))
+        assert not second.cache.contains(digests[7])
+        for index in (7, 0, 1, 6):  # past half of the layer's 8 chunks
+            upper.read(index * CS, 10)
+        assert wait_for(lambda: store.get_prefetch(manifest) != [5, 2, 3]) and \
+            store.get_prefetch(manifest) == [5, 2, 3, 7]  # merged, capped at half the layer
+    finally:
+        second.close()

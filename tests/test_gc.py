@@ -62,6 +62,20 @@ def test_two_phases_and_the_grace_period(store: Store, tmp_path: Path) -> None:
     assert (tmp_path / "out.img").read_bytes() == data
 
 
+def test_a_layers_working_set_goes_with_it(store: Store, tmp_path: Path) -> None:
+    write_image(tmp_path / "keep.img", "rr", seed=2)
+    kept = import_image(store, tmp_path / "keep.img", "keep:v1").manifest_id
+    doomed = garbage(store, tmp_path)
+    dead = next(k for k in doomed if k.startswith("manifests/")).removeprefix("manifests/")
+    store.put_prefetch(dead, [0, 1])
+    store.put_prefetch(kept, [1])
+    later = time.time() + 2 * HOUR
+    gc.collect(store, grace=HOUR, now=later)
+    assert gc.collect(store, grace=HOUR, now=later + 2 * HOUR).deleted == len(doomed)  # side objects uncounted
+    assert store.get_prefetch(dead) is None and store.get_prefetch(kept) == [1]
+    assert keys(store, "prefetch/") == {f"prefetch/{kept}"}
+
+
 def test_dry_run_changes_nothing(store: Store, tmp_path: Path) -> None:
     doomed = garbage(store, tmp_path)
     gc.collect(store, grace=0, now=time.time() + 10)
