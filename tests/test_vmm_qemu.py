@@ -171,7 +171,7 @@ def test_snapshot_kill_restore_on_a_fresh_mount(tmp_path: Path, node: Callable[.
 
 @needs_qemu
 def test_fork_four_see_the_parent_then_diverge(node: Callable[..., Node]) -> None:
-    from layerstore.errors import InvalidInput
+    from layerstore.errors import InvalidInput, StrataError
 
     boxes = node(memory_mib=128).boxes
     parent = boxes.boot("guest:v1", sid="p")
@@ -189,6 +189,20 @@ def test_fork_four_see_the_parent_then_diverge(node: Callable[..., Node]) -> Non
     for i, f in enumerate(forks):
         assert f.vm.agent.run("cat /root/own").output.strip() == f"fork{i}"
     assert parent.vm.agent.run("cat /root/own").output.strip() == "parent"
+
+    # forks restore in parallel: one that fails takes the others down with it, nothing half made
+    real = boxes.restore
+
+    def third_fails(snapshot_id: str, *, sid: str, **kwargs: object):  # noqa: ANN202
+        if sid == "q3":
+            raise StrataError("no room for q3")
+        return real(snapshot_id, sid=sid, **kwargs)
+
+    boxes.restore = third_fails  # type: ignore[method-assign]
+    with pytest.raises(StrataError, match="no room for q3"):
+        boxes.fork("p", 4, names=["q1", "q2", "q3", "q4"], workers=4)
+    boxes.restore = real  # type: ignore[method-assign]
+    assert sorted(r["sid"] for r in boxes.list()) == ["p", "p-fork1", "p-fork2", "p-fork3", "p-fork4"]
 
 
 @needs_qemu
