@@ -45,6 +45,7 @@ from layerstore.backend import Backend
 from layerstore.errors import InvalidInput, StrataError
 from layerstore.nodes import read_nodes
 from vmm import placement
+
 from . import listing
 from .ports import PORT_HOST
 from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body, send_request,

@@ -124,7 +124,7 @@ class Catalogue:
             timer = threading.Timer(self.record_window, self._record, (view, indices))
             timer.daemon = True
             with self._lock:
-                self._recorders.append(timer)
+                self._recorders = [t for t in self._recorders if t.is_alive()] + [timer]
             timer.start()
 
     def _record(self, view: LayerView, known: list[int]) -> None:

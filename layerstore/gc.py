@@ -219,7 +219,9 @@ def _delete(store: Store, backend: Backend, p: Plan, doomed: list[str], lock: Gc
                 lock.renew()  # still ours? (a GC that lost its lock deletes nothing more)
                 group = batches[wave:wave + workers]
                 list(pool.map(backend.delete_many, group))  # every batch done (or raised) before the next wave
-                for batch in group if kind is not side else []:
+                if kind is side:
+                    continue  # not swept objects: not counted
+                for batch in group:
                     freed += _forget(store, p, batch)
                     deleted += len(batch)
                     if progress is not None:
