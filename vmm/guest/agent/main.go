@@ -12,7 +12,7 @@ package main
 import (
 	"bufio"
 	"bytes"
-	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -86,14 +86,22 @@ func main() {
 		makeRaw(int(f.Fd()))
 	}
 	log("listening on %s", port)
-	b := make([]byte, 8)
-	_, _ = rand.Read(b)
-	a := &Agent{boot: hex.EncodeToString(b), out: make(chan []byte, outboxLength), ctl: make(chan []byte, 256),
+	a := &Agent{boot: bootToken(), out: make(chan []byte, outboxLength), ctl: make(chan []byte, 256),
 		streams: map[uint64]chan struct{}{}}
 	a.procs = newProcs()
 	a.files = newFiles()
 	go a.writer(f)
 	a.reader(f)
+}
+
+// bootToken names this agent process's run: the kernel's boot id, the
+// start time and pid, hashed. Not crypto/rand: that blocks until the
+// kernel's random pool is ready, a second into a TCG guest's boot, and
+// nothing here needs a secret, only a value no other run shares.
+func bootToken() string {
+	id, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	sum := sha256.Sum256([]byte(fmt.Sprintf("%s %d %d", id, time.Now().UnixNano(), os.Getpid())))
+	return hex.EncodeToString(sum[:8])
 }
 
 // waitPort finds the agent's port: `strata.agent=DEV` on the kernel command
