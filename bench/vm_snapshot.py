@@ -141,6 +141,7 @@ def main() -> int:
         timings = boxes.registry.load("src").timings
         out.update({f"snap2_{k}_ms": timings[k] * 1e3 for k in STEPS})
         out["snap2_added_mib"] = (stored_bytes(store) - base) / 2**20
+        out["snap2_total_ms"] = sum(out[f"snap2_{k}_ms"] for k in STEPS)  # pause to published
         base = stored_bytes(store)
         started = time.monotonic()
         forks = boxes.fork("src", args.forks)
