@@ -1,12 +1,16 @@
 """Network namespaces a test creates (and removes): a hub with a bridge, and
 one namespace per node wired to it by a veth pair. Nothing touches the host's
 own namespace: the test thread enters the hub with setns(2) to talk to the
-nodes, and processes start inside a namespace through `ip netns exec`."""
+nodes, and processes start inside a namespace through `ip netns exec`. A
+client whose connections come from threads the test does not own (the E2B
+SDK's HTTP runtime, started by whichever test used it first) goes through a
+`Forward`: a loopback port here relayed into a namespace."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -74,3 +78,56 @@ class Lab:
     def destroy(self) -> None:
         for ns in [*self.nodes.values(), self.hub]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class Forward:
+    """127.0.0.1:`port` in the namespace that creates it, each connection
+    relayed to `target` (host, port) from inside namespace `name` of `lab`.
+    Create it before entering a namespace; set `target` once known."""
+
+    def __init__(self, lab: Lab, name: str) -> None:
+        self.lab, self.name = lab, name
+        self.target: tuple[str, int] | None = None
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()  # a thread of this namespace
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        try:
+            assert self.target is not None, "Forward.target was never set"
+            with self.lab.inside(self.name):  # the new socket belongs to the namespace it is made in
+                upstream = socket.create_connection(self.target, timeout=10)
+        except (OSError, AssertionError):
+            client.close()
+            return
+        upstream.settimeout(None)
+        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+        back.start()
+        _pump(client, upstream)
+        back.join()
+        client.close()
+        upstream.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    """Copy until `src` ends, then end `dst`'s sending side."""
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    try:
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass

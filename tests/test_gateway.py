@@ -35,7 +35,7 @@ from layerstore.errors import InvalidInput
 from layerstore.reach import Closure
 from layerstore.store import open_store
 from tests.conftest import IN_CI, ROOT, free_port, needs_qemu
-from tests.netns import Lab
+from tests.netns import Forward, Lab
 from tests.node_server import API_KEY, NodeServer
 from tests.seaweedfs_server import SeaweedFS
 
@@ -159,6 +159,7 @@ class Lab3:
 
     servers: list[NodeServer]
     gateway: Gateway
+    sdk_url: str  # the gateway, for the E2B SDK (whose HTTP runtime may live in this process's own namespace)
     ops: dict[str, str]  # an operator's `strata` on the shared store, from no node
     prefix: tuple[str, ...]
     s3: Any  # a boto3 client of the store's bucket
@@ -182,10 +183,11 @@ class Lab3:
 def cluster(tmp_path: Path, guest: Path) -> Iterator[Lab3]:
     lab = Lab(f"g{os.getpid() % 10000}")
     servers: list[NodeServer] = []
-    gateway = weed = None
+    gateway = weed = forward = None
     try:
         for name in "abc":
             lab.add_node(name)
+        forward = Forward(lab, "hub")  # made here, outside the hub: its loopback port is this process's
         with lab.inside("hub"):  # setns(2) is per thread: the test's HTTP goes out through the hub's bridge
             weed = SeaweedFS(tmp_path / "weed", ip=lab.addrs["hub"], prefix=lab.prefix("hub")).start()
             weed.create_bucket("shared")
@@ -193,7 +195,7 @@ def cluster(tmp_path: Path, guest: Path) -> Iterator[Lab3]:
                   "AWS_ACCESS_KEY_ID": weed.access_key, "AWS_SECRET_ACCESS_KEY": weed.secret_key,
                   "AWS_REGION": weed.region}
             servers += [NodeServer(tmp_path / name, guest, host=lab.addrs[name], prefix=lab.prefix(name), **s3,
-                                   STRATA_MAX_SANDBOXES="1", STRATA_NODE_TTL="6s") for name in "abc"]
+                                   STRATA_MAX_SANDBOXES="1", STRATA_NODE_TTL="9s") for name in "abc"]
             servers[0].strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
             with ThreadPoolExecutor(3) as pool:
                 list(pool.map(NodeServer.start, servers))
@@ -202,8 +204,11 @@ def cluster(tmp_path: Path, guest: Path) -> Iterator[Lab3]:
                 tmp_path / "a" / "none.toml")}
             gateway = Gateway(tmp_path, ops, host=lab.addrs["hub"], prefix=lab.prefix("hub"))
             gateway.wait_for(3)
-            yield Lab3(servers, gateway, ops, lab.prefix("hub"), weed.client())
+            forward.target = (lab.addrs["hub"], gateway.port)
+            yield Lab3(servers, gateway, f"http://127.0.0.1:{forward.port}", ops, lab.prefix("hub"), weed.client())
     finally:
+        if forward is not None:
+            forward.close()
         if gateway is not None:
             gateway.stop()
         with ThreadPoolExecutor(3) as pool:  # each stops its service, VMs and mount
@@ -233,8 +238,8 @@ def gc_json(result: subprocess.CompletedProcess) -> dict:
 @pytest.mark.slow
 def test_three_nodes_behind_a_gateway_on_one_store(cluster: Lab3, monkeypatch: pytest.MonkeyPatch) -> None:
     servers, gateway = cluster.servers, cluster.gateway
-    monkeypatch.setenv("E2B_API_URL", gateway.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", gateway.url)
+    monkeypatch.setenv("E2B_API_URL", cluster.sdk_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", cluster.sdk_url)
     monkeypatch.setenv("E2B_API_KEY", API_KEY)
     monkeypatch.delenv("E2B_DEBUG", raising=False)
     from e2b import Sandbox
@@ -287,7 +292,7 @@ def test_three_nodes_behind_a_gateway_on_one_store(cluster: Lab3, monkeypatch: p
     assert r.status_code == 503 and "unavailable" in r.json()["message"], r.text
     deadline = time.monotonic() + 30
     while "is not answering" not in r.json()["message"] and time.monotonic() < deadline:
-        time.sleep(0.5)  # node_ttl is 6 s here: then the gateway reads A's record as lapsed
+        time.sleep(0.5)  # node_ttl is 9 s here: then the gateway reads A's record as lapsed
         r = gateway.client.get(f"/sandboxes/{boxes[2].sandbox_id}")
     assert r.status_code == 503 and f"its node {node_id(owner)} is not answering" in r.json()["message"], r.text
     refused = cluster.strata("gc", "--grace", "0s")
