@@ -687,13 +687,17 @@ class Node:
         """What GC of a store this node uses must keep for it beyond the
         store's refs, templates and snapshots: the layers its sandboxes'
         disks and RAM sit on, the snapshots its paused sandboxes wake from,
-        and the images in its own store (pulled manifests-only, their chunks
-        live in the remote). Published in its node record every 40 s."""
+        and, when it has a remote, the images in its own store (pulled
+        manifests-only, their chunks live in the remote; a store's own refs
+        are its GC's roots already, and naming them here too would keep a
+        removed image until this node's next beat). Published in its node
+        record every third of `node_ttl`."""
         from layerstore.reach import Name
 
         names = [Name("layer", m) for m in self.boxes.client.disk_layers()]
         names += [Name("snapshot", s) for s in self.boxes.registry.snapshot_users()]  # paused sandboxes wake from
-        names += [Name("layer", manifest) for _ref, manifest, _updated in self.store.list_refs()]
+        if self.config.remote and self.config.remote != self.config.store:
+            names += [Name("layer", manifest) for _ref, manifest, _updated in self.store.list_refs()]
         return names
 
     def _placed(self, sid: str) -> None:
