@@ -16,6 +16,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from vmm.domain_gate import _relay as relay
+
 CLONE_NEWNET = 0x40000000
 
 
@@ -108,26 +110,10 @@ class Forward:
         except (OSError, AssertionError):
             client.close()
             return
-        upstream.settimeout(None)
-        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
-        back.start()
-        _pump(client, upstream)
-        back.join()
+        relay(client, upstream)  # both ways until both sides are done
         client.close()
         upstream.close()
 
     def close(self) -> None:
         self.listener.close()
 
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    """Copy until `src` ends, then end `dst`'s sending side."""
-    try:
-        while data := src.recv(1 << 16):
-            dst.sendall(data)
-    except OSError:
-        pass
-    try:
-        dst.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
