@@ -118,18 +118,17 @@ class ChunkFetcher:
         try:
             # a previous leader may have inserted it between our miss and now
             data = self.cache.read(digest) if self.cache.contains(digest) else None
-            if data is not None:
-                self._remember(digest, data)
-                future.set_result(data)
-                return data
-            self.fetches += 1
-            data = self._fetch(digest)  # verified
+            fetched = data is None
+            if fetched:
+                self.fetches += 1
+                data = self._fetch(digest)  # verified
             self._remember(digest, data)
             future.set_result(data)  # waiting readers go on while the cache file is written
-            try:
-                self.cache.put(digest, data)
-            except Exception as exc:  # noqa: BLE001 - served from memory; the next read fetches again
-                log.error("caching chunk %s: %s", digest, exc)
+            if fetched:
+                try:
+                    self.cache.put(digest, data)
+                except Exception as exc:  # noqa: BLE001 - served from memory; the next read fetches again
+                    log.error("caching chunk %s: %s", digest, exc)
             return data
         except BaseException as exc:
             future.set_exception(exc)
