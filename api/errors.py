@@ -21,8 +21,9 @@ Errors are `{"code", "message"}` with:
 Bad stored data (a corrupt record, manifest or chunk) is never a 500: it
 is CorruptObject, NotFound or MissingChunk, raised where it is read.
 
-The API's own failures (Capacity, TooLarge) live here rather than in
-node.py so the modules raising them and the mapping share one definition.
+The API's own failures (Capacity, Forbidden, TooLarge) are defined in
+api/exceptions.py, without FastAPI, so the command line can raise them
+without loading the web framework.
 """
 
 from __future__ import annotations
@@ -38,18 +39,7 @@ from vmm.agent import AgentBusy, AgentError, AgentTimeout
 from vmm.network import PoolExhausted
 
 from . import models as m
-
-
-class Capacity(StrataError):
-    """The node holds as many sandboxes as it is configured to."""
-
-
-class Forbidden(StrataError):
-    """The caller is known but may not do this (a sandbox port without its traffic token)."""
-
-
-class TooLarge(InvalidInput):
-    """An upload is bigger than the node accepts (config `max_upload`)."""
+from .exceptions import Capacity, Forbidden, TooLarge
 
 
 # first match wins: TooLarge before its base class InvalidInput

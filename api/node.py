@@ -53,7 +53,7 @@ from . import listing
 from . import models as m
 from .builds import BUILD_KEY, Builds
 from .catalog import Catalog
-from .errors import Capacity, Forbidden
+from .exceptions import Capacity, Forbidden
 from .maintenance import Maintenance
 from .metrics import Metrics
 from .supervisor import MountSupervisor

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from layerstore.config import DEFAULT_TEAM, NodeConfig
 from layerstore.errors import Conflict, NotFound
 
-from .errors import Capacity
+from .exceptions import Capacity
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import anyio
 
 from layerstore.errors import InvalidInput
 
-from .errors import TooLarge
+from .exceptions import TooLarge
 
 BLOCK = 1 << 20
 

@@ -236,3 +236,13 @@ def test_push_and_pull_default_to_the_configured_remote(tmp_path: Path) -> None:
     r = run(["pull", "a:1", "--full", "--json"], other)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["chunks_sent"] == 2
+
+
+def test_the_command_line_starts_without_the_web_framework() -> None:
+    """Every `strata` command pays for what its entry point imports; FastAPI
+    alone was half a second of it, and only `strata serve` / `gateway` need it."""
+    code = "import sys, api.cli; print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
