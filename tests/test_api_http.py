@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.errors import Capacity
+from api.exceptions import Capacity
 from api.metrics import Metrics
 from layerstore.errors import NotFound
 from vmm.registry import SandboxRecord
