@@ -96,6 +96,18 @@ def test_lazy_reads_fetch_only_what_is_read(mount: Mount) -> None:
     assert "lazy:v1" in os.listdir(mount.mnt / "images")
 
 
+def test_read_ahead_is_one_chunk_once_the_mount_says_it_is_ready(mount: Mount) -> None:
+    """A restore that starts the moment the mount is up reads its kernel at
+    the mount's read-ahead: it must be set before `strata mount` returns,
+    not some time after (the kernel default, 128 KiB, is 8 requests a chunk)."""
+    if os.geteuid() != 0:
+        pytest.skip("setting a mount's read-ahead needs root (sysfs)")
+    mount.start()
+    with open("/proc/self/mountinfo") as f:
+        device = next(line.split()[2] for line in f if line.split()[4] == str(mount.mnt))
+    assert Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text().strip() == "1024"
+
+
 def test_refusals(mount: Mount) -> None:
     write_image(mount.tmp / "a.img", "r")
     mount.strata("image", "import", str(mount.tmp / "a.img"), "ro:v1")
