@@ -23,7 +23,7 @@ from layerstore.errors import InvalidInput
 from layerstore.unixsock import connect_unix
 
 from .control import MountSettings, check_mountpoint, control_socket
-from .protocol import (CacheDrop, CacheDropped, CreateDisk, DaemonError, DiskInfo, DiskRemoved, ListDisks,
+from .protocol import (AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DaemonError, DiskInfo, DiskRemoved, ListDisks,
                        MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, R, RecordPrefetch, RemoveDisk,
                        Request, Seal, Sealed, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, decode_reply,
                        encode_request)
@@ -89,10 +89,11 @@ class MountClient:
         return self.request(Stats(), timeout=timeout)
 
     def create_disk(self, sid: str, *, image: str | None = None, manifest: str | None = None,
-                    size: int | None = None) -> DiskInfo:
+                    size: int | None = None, volatile: bool = False) -> DiskInfo:
         """A sandbox disk over an image (NAME:TAG) or a layer (manifest id):
-        exactly one; `size` bytes (at least the image's) if given."""
-        return self.request(CreateDisk(sid, image=image, manifest=manifest, size=size))
+        exactly one; `size` bytes (at least the image's) if given; `volatile`
+        for a VM's RAM (its fsyncs do not flush the host's disk)."""
+        return self.request(CreateDisk(sid, image=image, manifest=manifest, size=size, volatile=volatile))
 
     def list_disks(self, *, timeout: float = 30.0) -> list[DiskInfo]:
         return self.request(ListDisks(), timeout=timeout).disks
@@ -102,6 +103,10 @@ class MountClient:
 
     def seal(self, sid: str, *, wait: bool = False, timeout: float = 600.0) -> Sealed:
         return self.request(Seal(sid, wait=wait), timeout=timeout)
+
+    def await_seal(self, sid: str, *, timeout: float = 600.0) -> Sealed:
+        """The published manifest of `sid`'s newest seal (one made without `wait`)."""
+        return self.request(AwaitSeal(sid), timeout=timeout)
 
     def record_prefetch(self, image: str) -> PrefetchRecorded:
         return self.request(RecordPrefetch(image))

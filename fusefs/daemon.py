@@ -43,7 +43,7 @@ from .cache import ChunkCache
 from .control import MountSettings, check_mountpoint, check_sid, control_socket
 from .fetch import ChunkFetcher
 from .fs import StrataFS
-from .protocol import (MAX_LINE, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved, Handlers,
+from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved, Handlers,
                        ListDisks, MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, RecordPrefetch, RemoveDisk,
                        Seal, Sealed, SealState, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, answer, encode_error)
 from .upper import SealTicket, UpperLayer
@@ -172,14 +172,15 @@ class Catalogue:
             self.fs.add_sandbox(upper.sid, upper)
 
     def create_sandbox(self, sid: str, *, image: str | None = None, manifest: str | None = None,
-                       size: int | None = None) -> UpperLayer:
+                       size: int | None = None, volatile: bool = False) -> UpperLayer:
         check_sid(sid)
         if (image is None) == (manifest is None):
             raise InvalidInput("give exactly one of image or manifest")
         if sid in self.sandboxes:
             raise InvalidInput(f"sandbox {sid} already exists")
         view = self.view_for_ref(parse_ref(image)) if image else self.view_for_manifest(manifest)  # type: ignore[arg-type]
-        upper = UpperLayer.create(self.upper_root / sid, view, relower=self.view_for_manifest, size=size)
+        upper = UpperLayer.create(self.upper_root / sid, view, relower=self.view_for_manifest, size=size,
+                                  volatile=volatile)
         self._attach(upper)
         self.start_prefetch(view)  # before the VMM opens it: the working set arrives while the VM starts
         return upper
@@ -241,6 +242,15 @@ class Catalogue:
         self.seals[sid] = ticket
         return Sealed(sid=sid, dirty_chunks=ticket.dirty_chunks, switch_ms=round(ticket.switched_in * 1000, 3),
                       manifest=ticket.result(timeout) if wait else None)
+
+    def await_seal(self, sid: str, *, timeout: float = 600) -> Sealed:
+        """The newest seal of `sid`, once published (its error if it failed)."""
+        ticket = self.seals.get(check_sid(sid))
+        if ticket is None:
+            raise NotFound(f"sandbox {sid} has no seal to wait for")
+        manifest = ticket.result(timeout)
+        return Sealed(sid=sid, dirty_chunks=ticket.dirty_chunks, switch_ms=round(ticket.switched_in * 1000, 3),
+                      manifest=manifest)
 
     def sandbox_info(self, upper: UpperLayer, path: Path) -> DiskInfo:
         """The control protocol's view of a sandbox disk, served at `path`."""
@@ -310,7 +320,8 @@ class Daemon:
     def handlers(self) -> Handlers:
         """Which method answers which request (protocol.py defines the messages)."""
         return {Ping: self.ping, Stats: self.stats, CreateDisk: self.create_disk, ListDisks: self.list_disks,
-                RemoveDisk: self.remove_disk, Seal: self.seal, RecordPrefetch: self.record_prefetch,
+                RemoveDisk: self.remove_disk, Seal: self.seal, AwaitSeal: self.await_seal,
+                RecordPrefetch: self.record_prefetch,
                 CacheDrop: self.cache_drop, Pin: self.pin, Unpin: self.unpin, Shutdown: self.shutdown}
 
     def handle(self, line: bytes) -> bytes:
@@ -330,7 +341,7 @@ class Daemon:
         return self.mountpoint / "sandboxes" / sid / "disk.img"
 
     def create_disk(self, r: CreateDisk) -> DiskInfo:
-        upper = self.cat.create_sandbox(r.sid, image=r.image, manifest=r.manifest, size=r.size)
+        upper = self.cat.create_sandbox(r.sid, image=r.image, manifest=r.manifest, size=r.size, volatile=r.volatile)
         return self.cat.sandbox_info(upper, self._disk_path(upper.sid))
 
     def list_disks(self, _r: ListDisks) -> DiskList:
@@ -342,6 +353,9 @@ class Daemon:
 
     def seal(self, r: Seal) -> Sealed:
         return self.cat.seal(r.sid, wait=r.wait)
+
+    def await_seal(self, r: AwaitSeal) -> Sealed:
+        return self.cat.await_seal(r.sid)
 
     def record_prefetch(self, r: RecordPrefetch) -> PrefetchRecorded:
         return self.cat.record_prefetch(parse_ref(r.image))

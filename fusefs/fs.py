@@ -406,6 +406,9 @@ class StrataFS(pyfuse3.Operations):
         if off + len(buf) > upper.size:
             raise pyfuse3.FUSEError(errno.EFBIG)
         try:
+            done = upper.write_ready(off, buf)
+            if done is not None:
+                return done
             return await trio.to_thread.run_sync(upper.write, off, buf)
         except (CorruptObject, MissingChunk, StrataError) as exc:
             log.error("copy-up for write to %s at %d failed: %s", self._path(handle.node), off, exc)

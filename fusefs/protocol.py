@@ -182,6 +182,7 @@ class CreateDisk(Request[DiskInfo]):
     image: str | None = None
     manifest: str | None = None
     size: int | None = None  # bytes, at least the image's (default: the image's)
+    volatile: bool = False  # a VM's RAM: fsync orders writes but never flushes the disk (upper.py)
 
     def __post_init__(self) -> None:
         if (self.image is None) == (self.manifest is None):
@@ -206,6 +207,15 @@ class Seal(Request[Sealed]):
     reply = Sealed
     sid: str
     wait: bool = False
+
+
+@dataclass(frozen=True)
+class AwaitSeal(Request[Sealed]):
+    """Wait for the publication of a disk's newest seal (one asked for without
+    `wait`): a VMM resumes its guest between the seal and the wait."""
+
+    reply = Sealed
+    sid: str
 
 
 @dataclass(frozen=True)
@@ -238,8 +248,8 @@ class Shutdown(Request[ShuttingDown]):
     reply = ShuttingDown
 
 
-REQUESTS: tuple[type[Request[Any]], ...] = (Ping, Stats, CreateDisk, ListDisks, RemoveDisk, Seal, RecordPrefetch,
-                                            CacheDrop, Pin, Unpin, Shutdown)
+REQUESTS: tuple[type[Request[Any]], ...] = (Ping, Stats, CreateDisk, ListDisks, RemoveDisk, Seal, AwaitSeal,
+                                            RecordPrefetch, CacheDrop, Pin, Unpin, Shutdown)
 
 
 def op_name(cls: type[Request[Any]]) -> str:

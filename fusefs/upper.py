@@ -3,7 +3,8 @@
 On-disk layout of one sandbox (`UPPER_ROOT/<sid>/`):
 
     state.json       {"base": <manifest id>, "size": N, "chunk_size": C,
-                      "gen": g, "sealing": [g1, g2, ...], "layers": [<sealed ids>]}
+                      "gen": g, "sealing": [g1, g2, ...], "layers": [<sealed ids>],
+                      "volatile": true (only a VM's RAM: never fsynced, see create)}
     gen-<g>.data     sparse file of N bytes; a dirty chunk holds its full content
     gen-<g>.dirty    bitmap, one bit per chunk, written on fsync (atomically)
 
@@ -13,7 +14,7 @@ A write to a clean chunk first copies the chunk's current content up (unless
 it overwrites the whole chunk), so the data file always holds whole chunks.
 
 Durability: `fsync` fsyncs the data file, then replaces the bitmap, then the
-state. After a crash, chunks marked in the last bitmap hold at least what was
+state (a volatile layer replaces them without flushing the disk). After a crash, chunks marked in the last bitmap hold at least what was
 fsynced; unsynced writes may be lost, as on any disk.
 
 Seal (an incremental snapshot) is a metadata switch under an exclusive lock:
@@ -66,6 +67,14 @@ class RWLock:
             if not self._shared:
                 self._cond.notify_all()
 
+    def try_acquire_shared(self) -> bool:
+        """acquire_shared if that needs no waiting (for callers on an event loop)."""
+        with self._cond:
+            if self._exclusive or self._waiting_exclusive:
+                return False
+            self._shared += 1
+            return True
+
     def acquire_exclusive(self) -> None:
         with self._cond:
             self._waiting_exclusive += 1
@@ -80,15 +89,18 @@ class RWLock:
             self._cond.notify_all()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    if not durable:
+        return
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
@@ -128,11 +140,12 @@ class _Generation:
                 out.extend(byte_index * 8 + bit for bit in range(8) if byte & (1 << bit))
         return out
 
-    def sync(self) -> None:
-        os.fsync(self.fd)
+    def sync(self, *, durable: bool = True) -> None:
+        if durable:
+            os.fsync(self.fd)
         if self.changed:
             self.changed = False
-            _write_atomic(self.dirty_path, bytes(self.bitmap))
+            _write_atomic(self.dirty_path, bytes(self.bitmap), durable=durable)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -175,6 +188,7 @@ class UpperLayer:
         self.chunk_size = int(state["chunk_size"])  # type: ignore[arg-type]
         self.base = str(state["base"])
         self.layers: list[str] = list(state.get("layers", []))  # type: ignore[arg-type]
+        self.volatile = bool(state.get("volatile", False))
         self._lock = RWLock()
         self._chunk_locks = [threading.Lock() for _ in range(64)]
         self.current = _Generation(root, int(state["gen"]), self.size, self.chunk_size, create=False)  # type: ignore[arg-type]
@@ -193,10 +207,15 @@ class UpperLayer:
     # creation / loading -----------------------------------------------------
     @classmethod
     def create(cls, root: Path, lower: LayerView, *, relower: Callable[[str], LayerView],
-               size: int | None = None) -> "UpperLayer":
+               size: int | None = None, volatile: bool = False) -> "UpperLayer":
         """A fresh, empty upper layer over `lower` (fails if `root` exists),
         `size` bytes long: at least the lower's, and past its end the disk
-        reads zeros (a sandbox's disk larger than its image)."""
+        reads zeros (a sandbox's disk larger than its image).
+
+        A `volatile` layer (a VM's RAM) is not made durable by fsync: its
+        content means nothing after the host's crash (the VM is gone with
+        it), so fsync only orders (every write before it is in the layer,
+        and a restarted daemon still finds it), at no disk flush."""
         size = lower.size if size is None else size
         if size < lower.size or size > MAX_DISK:
             raise InvalidInput(f"disk size {size} is outside {lower.size}..{MAX_DISK} bytes (its image's size and up)")
@@ -205,11 +224,11 @@ class UpperLayer:
         except FileExistsError:
             raise InvalidInput(f"sandbox {root.name} already exists") from None
         state = {"base": lower.manifest_id, "size": size, "chunk_size": lower.chunk_size, "gen": 1,
-                 "sealing": [], "layers": []}
+                 "sealing": [], "layers": [], **({"volatile": True} if volatile else {})}
         gen = _Generation(root, 1, size, lower.chunk_size, create=True)
-        gen.sync()
+        gen.sync(durable=not volatile)
         gen.close()
-        _write_atomic(root / "state.json", json.dumps(state).encode())
+        _write_atomic(root / "state.json", json.dumps(state).encode(), durable=not volatile)
         return cls(root, lower, state, relower=relower)
 
     @staticmethod
@@ -224,8 +243,9 @@ class UpperLayer:
 
     def _persist_state(self) -> None:
         state = {"base": self.base, "size": self.size, "chunk_size": self.chunk_size, "gen": self.current.gen,
-                 "sealing": [g.gen for g in self.sealing], "layers": self.layers}
-        _write_atomic(self.root / "state.json", json.dumps(state).encode())
+                 "sealing": [g.gen for g in self.sealing], "layers": self.layers,
+                 **({"volatile": True} if self.volatile else {})}
+        _write_atomic(self.root / "state.json", json.dumps(state).encode(), durable=not self.volatile)
 
     # data path --------------------------------------------------------------
     def _chunk_lock(self, index: int) -> threading.Lock:
@@ -276,11 +296,30 @@ class UpperLayer:
             self._lock.release_shared()
         return len(data)
 
+    def write_ready(self, offset: int, data: bytes) -> int | None:
+        """A write done at once if it lands only in chunks the current
+        generation already holds (no copy-up, no seal switch under way);
+        None if it needs `write`. One local pwrite, cheap enough for the
+        FUSE event loop: writing back a guest's RAM at a snapshot is
+        hundreds of scattered 4 KiB writes, and a thread hop each cost more
+        than the write."""
+        end = offset + len(data)
+        if offset < 0 or end > self.size or not data or not self._lock.try_acquire_shared():
+            return None
+        try:
+            gen = self.current
+            for index in range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1):
+                if not gen.is_dirty(index):  # marked only once its copy-up is written
+                    return None
+            return os.pwrite(gen.fd, data, offset)
+        finally:
+            self._lock.release_shared()
+
     def fsync(self) -> None:
         self._lock.acquire_shared()
         try:
             with self._seal_lock:
-                self.current.sync()
+                self.current.sync(durable=not self.volatile)
                 if self._state_changed:
                     self._persist_state()
                     self._state_changed = False
@@ -309,8 +348,8 @@ class UpperLayer:
             finally:
                 self._lock.release_exclusive()
             switched = time.monotonic() - started
-            frozen.sync()
-            self.current.sync()
+            frozen.sync(durable=not self.volatile)
+            self.current.sync(durable=not self.volatile)
             self._persist_state()
             ticket = SealTicket(self.sid, frozen.gen, len(frozen.dirty_indices()), Future(), switched)
             self.pending_seal = ticket

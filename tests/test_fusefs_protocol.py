@@ -27,7 +27,7 @@ SEAL = p.SealState("done", manifest="ab" * 32)
 DISK = p.DiskInfo(sid="sb1", base="cd" * 32, size=4 * MiB, dirty_chunks=2, layers=["ab" * 32], last_seal=SEAL,
                   path="/mnt/sandboxes/sb1/disk.img")
 REQUESTS = [p.Ping(), p.Stats(), p.CreateDisk("sb1", image="base:v1"), p.CreateDisk("sb1", manifest="cd" * 32),
-            p.ListDisks(), p.RemoveDisk("sb1"), p.Seal("sb1", wait=True), p.Seal("sb1"),
+            p.ListDisks(), p.RemoveDisk("sb1"), p.Seal("sb1", wait=True), p.Seal("sb1"), p.AwaitSeal("sb1"),
             p.RecordPrefetch("base:v1"), p.CacheDrop(), p.Pin("base:v1"), p.Unpin("base:v1"), p.Shutdown()]
 REPLIES = [p.Pong(pid=7, mountpoint="/mnt", store="local:/s", uptime=1.5),
            p.MountStats(cache={"size": 1, "hits": 2}, fetches=3, memory_hits=4, sources={"local": 3}, disks=1,
@@ -77,6 +77,8 @@ def test_op_names_come_from_the_request_classes() -> None:
 def test_fields_with_defaults_may_be_left_out() -> None:
     assert p.decode_request(line({"v": 1, "op": "seal", "sid": "a"})) == p.Seal("a", wait=False)
     assert p.decode_request(line({"v": 1, "op": "create_disk", "sid": "a", "image": "x:y"})) == p.CreateDisk("a", image="x:y")
+    assert p.decode_request(line({"v": 1, "op": "create_disk", "sid": "a", "manifest": "m", "volatile": True})
+                            ) == p.CreateDisk("a", manifest="m", volatile=True)
 
 
 @pytest.mark.parametrize("wire, expected", [
@@ -88,7 +90,7 @@ def test_fields_with_defaults_may_be_left_out() -> None:
     (line({"v": "1", "op": "ping"}), 'version "1"; this daemon speaks version 1'),
     (line({"v": True, "op": "ping"}), "version true; this daemon speaks version 1"),
     (line({"v": 1}), "unknown operation null"),
-    (line({"v": 1, "op": "sandbox_create", "sid": "a"}), 'unknown operation "sandbox_create" (known: cache_drop,'),
+    (line({"v": 1, "op": "sandbox_create", "sid": "a"}), 'unknown operation "sandbox_create" (known: await_seal, cache_drop,'),
     (line({"v": 1, "op": 5}), "unknown operation 5"),
     (line({"v": 1, "op": "remove_disk"}), "remove_disk lacks field 'sid'"),
     (line({"v": 1, "op": "ping", "sid": "a"}), "ping has no field 'sid'"),
@@ -193,6 +195,11 @@ def test_handlers_answer_typed_replies(daemon: Any) -> None:
     assert disk.sid == "sb1" and disk.size == 3 * MiB and disk.path.endswith("mnt/sandboxes/sb1/disk.img")
     assert ask(daemon, p.ListDisks()).disks == [disk]
     assert ask(daemon, p.Stats()).disks == 1
+    with pytest.raises(NotFound, match="no seal to wait for"):
+        ask(daemon, p.AwaitSeal("sb1"))
+    started = ask(daemon, p.Seal("sb1"))
+    assert started.manifest is None
+    assert ask(daemon, p.AwaitSeal("sb1")).manifest is not None
     sealed = ask(daemon, p.Seal("sb1", wait=True))
     assert sealed.dirty_chunks == 0 and sealed.manifest is not None
     assert ask(daemon, p.ListDisks()).disks[0].last_seal == p.SealState("done", manifest=sealed.manifest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -83,6 +84,49 @@ def test_bad_writes_and_ids_refused(env: Env) -> None:
             check_sid(sid)
     with pytest.raises(InvalidInput):
         env.new_upper("a")
+
+
+def test_write_ready_writes_only_into_chunks_already_copied_up(env: Env) -> None:
+    """The event loop's shortcut never does a copy-up and never runs during
+    a seal switch: then it answers None and has written nothing."""
+    up = env.new_upper("a")
+    assert up.write_ready(CS + 10, b"clean") is None  # chunk 1 not copied up yet
+    assert up.read(CS + 10, 5) == env.content[CS + 10 : CS + 15]
+    up.write(CS, b"x")  # copies chunk 1 up
+    assert up.write_ready(CS + 10, b"ready") == 5
+    assert up.write_ready(2 * CS - 2, b"span") is None  # reaches into clean chunk 2
+    assert up.write_ready(up.size - 1, b"past") is None
+    up._lock.acquire_exclusive()  # a seal switching generations
+    try:
+        assert up.write_ready(CS + 20, b"held") is None
+    finally:
+        up._lock.release_exclusive()
+    expected = bytearray(env.content)
+    expected[CS : CS + 1] = b"x"
+    expected[CS + 10 : CS + 15] = b"ready"
+    assert up.read(0, up.size) == bytes(expected)
+
+
+def test_a_volatile_layer_orders_without_flushing_the_disk(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VM's RAM: fsync still leaves every write (and the dirty map) where
+    a restarted daemon finds it, but never waits for the host's disk."""
+    flushes: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushes.append(fd), real_fsync(fd)))
+    ram = UpperLayer.create(env.tmp / "uppers" / "a.mem", env.view(env.base_id), relower=env.view, volatile=True)
+    ram.write(3 * CS + 5, b"in ram")
+    ram.fsync()
+    jobs: list = []
+    ticket = ram.seal(lambda up, path, dirty, base: env.publish(up, path, dirty, base), jobs.append)
+    assert flushes == []  # neither the fsync nor the seal's switch (the store's own writes are durable)
+    jobs[0]()
+    ticket.result()
+    again = env.reopen("a.mem")
+    assert again.volatile and again.read(3 * CS + 5, 6) == b"in ram"
+    disk = env.new_upper("b")
+    disk.write(3 * CS + 5, b"on disk")
+    disk.fsync()
+    assert flushes and not disk.volatile
 
 
 def test_fsynced_writes_survive_reopen(env: Env) -> None:

@@ -25,7 +25,8 @@ def failing_seal(sid: str, *, wait: bool = False) -> None:
 @pytest.mark.parametrize("paused_before", [False, True])
 def test_a_failed_snapshot_leaves_the_vm_as_it_was_and_the_record_true(tmp_path: Path, paused_before: bool) -> None:
     boxes, backend = fake_node(tmp_path)
-    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mnt" / "sandboxes" / "box.mem").mkdir(parents=True)
+    (tmp_path / "mnt" / "sandboxes" / "box.mem" / "disk.img").touch()  # the RAM file a snapshot writes back
     vm = backend.vms["box"] = SavingVm(tmp_path / "work" / LOCKS / "box", 4242)
     boxes.client.seal = failing_seal  # type: ignore[attr-defined]
     if paused_before:

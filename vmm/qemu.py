@@ -139,7 +139,14 @@ class QemuVm:
             if self.ram_in_file:  # RAM lives in its file: stream device state only
                 qmp.execute("migrate-set-capabilities",
                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-            qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(os.path.abspath(path))}"})
+            # Handed an open file rather than `exec:cat > FILE`: QEMU forking
+            # a shell costs 25-500 ms with a big TCG process, a file costs none.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                qmp.execute("getfd", {"fdname": STATE_FD}, fd=fd)
+            finally:
+                os.close(fd)
+            qmp.execute("migrate", {"uri": f"fd:{STATE_FD}"})
             _wait_migrated(qmp, timeout=300)
 
     def kill(self) -> None:
@@ -154,6 +161,7 @@ class QemuVm:
         self.agent.close()
 
 
+STATE_FD = "strata-state"  # the name a state file's descriptor gets in QEMU (QMP getfd)
 _MIGRATING = ("setup", "active", "device", "pre-switchover", "cancelling")
 
 
@@ -175,7 +183,7 @@ def _wait_migrated(qmp: QMP, *, timeout: float) -> None:
             return
         if state in ("failed", "cancelled"):
             raise VmmError(f"saving VM state failed: {info.get('error-desc', state)}")
-        time.sleep(0.01)
+        time.sleep(0.002)
     raise VmmError(f"saving VM state did not finish within {timeout:.0f} s")
 
 
@@ -254,13 +262,18 @@ class QemuBackend:
             if spec.incoming is not None and spec.memory_file is not None:
                 qmp.execute("migrate-set-capabilities",
                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-                qmp.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(spec.incoming))}"})
+                fd = os.open(spec.incoming, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    qmp.execute("getfd", {"fdname": STATE_FD}, fd=fd)
+                finally:
+                    os.close(fd)
+                qmp.execute("migrate-incoming", {"uri": f"fd:{STATE_FD}"})
             if spec.incoming is not None:
                 deadline = time.monotonic() + ready_timeout
                 while qmp.execute("query-status")["status"] == "inmigrate":
                     if time.monotonic() > deadline:
                         raise VmmError("restoring VM state did not finish in time")
-                    time.sleep(0.01)
+                    time.sleep(0.002)
                 qmp.execute("cont")
             agent = Agent(spec.workdir / "agent.sock")
             try:

@@ -60,13 +60,21 @@ class QMP:
         line, _, self._buf = self._buf.partition(b"\n")
         return json.loads(line)
 
-    def execute(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
-        """Run one command and return its `return` value (QMPError on `error`)."""
+    def execute(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float | None = None,
+                fd: int | None = None) -> Any:
+        """Run one command and return its `return` value (QMPError on `error`).
+
+        `fd` goes along with the command (SCM_RIGHTS), as `getfd` wants it.
+        """
         message: dict[str, Any] = {"execute": command}
         if arguments:
             message["arguments"] = arguments
+        data = json.dumps(message).encode() + b"\n"
         try:
-            self._sock.sendall(json.dumps(message).encode() + b"\n")
+            if fd is None:
+                self._sock.sendall(data)
+            elif socket.send_fds(self._sock, [data], [fd]) != len(data):
+                raise OSError("short write")
         except OSError as exc:
             raise QMPError(f"QMP {command}: {exc}") from None
         deadline = time.monotonic() + (timeout or self.timeout)

@@ -261,7 +261,7 @@ class Sandboxes:
         work = self.registry.workdir(record.sid)
         try:
             self.client.create_disk(record.sid, **disk)
-            self.client.create_disk(memory_sid(record.sid), manifest=memory_layer)
+            self.client.create_disk(memory_sid(record.sid), manifest=memory_layer, volatile=True)
             self.registry.save(record)
             started = time.monotonic()
             spec = self._with_network(spec, record)
@@ -332,7 +332,7 @@ class Sandboxes:
             spec = VmSpec(kernel=kernel, initrd=initrd, disk=self.mount / "sandboxes" / sid / "disk.img",
                           workdir=self.registry.workdir(sid), memory_mib=record.memory_mib, cmdline=DEFAULT_CMDLINE,
                           memory_file=self._memory_path(sid))
-            self.client.create_disk(memory_sid(sid), manifest=self._zero_memory(record.memory_mib))
+            self.client.create_disk(memory_sid(sid), manifest=self._zero_memory(record.memory_mib), volatile=True)
             started = time.monotonic()
             if record.network is not None:
                 self._network().detach(sid)  # the old VM's: a cold boot starts from a fresh network
@@ -418,15 +418,18 @@ class Sandboxes:
         # port (a snapshot taken with guest output in flight restored with a
         # port that took no more input), and streams re-attach after.
         sandbox.vm.agent.close()
+        paused = time.monotonic()
         sandbox.vm.pause()
         try:
-            snapshot_id, timings = self._capture(sandbox, implicit)
+            timings = self._capture(sandbox)
+            if resume:  # the sealed generations are frozen: the guest writes to new ones while they publish
+                sandbox.vm.resume()
+            timings["paused"] = time.monotonic() - paused
+            snapshot_id = self._publish(sandbox, implicit, timings)
         except BaseException:
             self._after_failed_snapshot(sandbox, resume)
             raise
         previous, record.last_snapshot = record.last_snapshot, snapshot_id
-        if resume:
-            sandbox.vm.resume()
         record.state = "running" if resume else "paused"
         record.operation = ""
         record.timings.update(timings)
@@ -461,19 +464,28 @@ class Sandboxes:
         log.info("deleted snapshot %s of sandbox %s (%s): nothing needs it any more", snapshot_id,
                  notes.get("sandbox"), notes["implicit"])
 
-    def _capture(self, sandbox: Sandbox, implicit: str = "") -> tuple[str, dict[str, float]]:
-        """Snapshot a paused sandbox: device state, dirty RAM and disk chunks
-        sealed, the snapshot published. Returns its id and the step timings."""
-        sid, record = sandbox.sid, sandbox.record
+    def _capture(self, sandbox: Sandbox) -> dict[str, float]:
+        """The part of a snapshot that needs the guest paused: device state
+        saved, dirty RAM written back, RAM and disk upper layers sealed (a
+        switch to new generations; publication goes on in the background)."""
         t0 = time.monotonic()
-        state = sandbox.workdir / "state"
-        sandbox.vm.save_state(state)
-        self._flush_mount()  # guest RAM pages dirty in the page cache reach the upper layer first
+        sandbox.vm.save_state(sandbox.workdir / "state")
+        self._flush_memory(sandbox.sid)  # the guest's RAM pages dirty in the page cache reach the upper layer first
+        self._flush_mount()
+        self.client.seal(sandbox.sid)
+        self.client.seal(memory_sid(sandbox.sid))
+        return {"capture": time.monotonic() - t0}
+
+    def _publish(self, sandbox: Sandbox, implicit: str, timings: dict[str, float]) -> str:
+        """The rest, which the guest need not wait for: the seals published,
+        device state stored, the snapshot written. Adds the step timings
+        ("seal", "publish") to `timings` and returns the snapshot's id."""
+        sid, record = sandbox.sid, sandbox.record
         t1 = time.monotonic()
-        disk = self.client.seal(sid, wait=True).manifest
-        memory = self.client.seal(memory_sid(sid), wait=True).manifest
+        disk = self.client.await_seal(sid).manifest
+        memory = self.client.await_seal(memory_sid(sid)).manifest
         t2 = time.monotonic()
-        state_id = import_image(self.store, state).manifest_id
+        state_id = import_image(self.store, sandbox.workdir / "state").manifest_id
         snap = Snapshot(
             layers={"disk": disk, "memory": memory, "state": state_id},
             vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
@@ -483,7 +495,8 @@ class Sandboxes:
             annotations={"sandbox": sid, "team": record.team, **({"implicit": implicit} if implicit else {})},
         )
         snapshot_id = self.store.put_snapshot(snap)
-        return snapshot_id, {"capture": t1 - t0, "seal": t2 - t1, "publish": time.monotonic() - t2}
+        timings.update(seal=t2 - t1, publish=time.monotonic() - t2)
+        return snapshot_id
 
     def _after_failed_snapshot(self, sandbox: Sandbox, resume: bool) -> None:
         """A snapshot failed after the pause: give the guest its vCPUs back if
@@ -743,9 +756,29 @@ class Sandboxes:
                     self._boot_layers[name] = import_image(self.store, f.name, f"strata-boot:{name}").manifest_id
             return self._boot_layers[name]
 
+    def _flush_memory(self, sid: str) -> None:
+        """Write back the guest RAM pages dirty in the page cache (RAM is a
+        shared mapping of this file on the mount) and wait for the mount to
+        have them: fsync(2) of the file.
+
+        syncfs(2) of the mount does not do it (it returns in about a
+        millisecond with the pages still dirty). Until QEMU was handed the
+        state file as a descriptor, the shell QEMU forked for `exec:cat >
+        FILE` did it by accident: the child's copy of the mapping, closed
+        at exec, wrote the file back (FUSE's vma close), 25-500 ms a save.
+        """
+        try:
+            fd = os.open(self._memory_path(sid), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise StrataError(f"writing back sandbox {sid}'s RAM: {exc}") from None
+
     def _flush_mount(self) -> None:
-        """Write back every dirty page of the mount (guest RAM is a shared
-        mapping of a file on it) without opening that file: syncfs(2)."""
+        """Write back every dirty page of the mount (the disk's, should QEMU
+        have left any) without opening each file: syncfs(2)."""
         fd = os.open(self.mount, os.O_RDONLY | os.O_DIRECTORY)
         try:
             if _libc().syncfs(fd) != 0:
