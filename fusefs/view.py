@@ -62,9 +62,10 @@ class LayerView:
                 parts.append(self.fetcher.read(digest, inner, n))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def read_ready(self, offset: int, length: int) -> bytes | None:
+    def read_ready(self, offset: int, length: int, *, max_disk_read: int = 64 << 10) -> bytes | None:
         """A read within one chunk served without I/O waits (hole, memory or
-        verified cache entry), or None when it needs the slow path."""
+        verified cache entry: a pread of at most `max_disk_read` bytes), or
+        None when it needs the slow path."""
         end = min(self.size, offset + length)
         if offset < 0 or offset >= end:
             return b""
@@ -74,7 +75,7 @@ class LayerView:
         digest = self.chunks.get(index)
         if digest is None:
             return self._zero[: end - offset] if end - offset < self.chunk_size else self._zero
-        data = self.fetcher.read_ready(digest, inner, end - offset)
+        data = self.fetcher.read_ready(digest, inner, end - offset, max_disk_read=max_disk_read)
         if data is not None and index not in self.touched:  # served fast, still part of the working set
             self.touched[index] = None
         return data

@@ -86,25 +86,31 @@ def test_bad_writes_and_ids_refused(env: Env) -> None:
         env.new_upper("a")
 
 
-def test_write_ready_writes_only_into_chunks_already_copied_up(env: Env) -> None:
-    """The event loop's shortcut never does a copy-up and never runs during
-    a seal switch: then it answers None and has written nothing."""
+def test_write_ready_never_waits_and_never_writes_half(env: Env) -> None:
+    """The event loop's shortcut copies a chunk up only from what needs no
+    waiting (a hole, a chunk in memory, a frozen generation), never while a
+    seal switches or another writer holds the chunk; a None wrote nothing."""
+    assert env.content[CS : 2 * CS] == bytes(CS)  # chunk 1 of "rzrp..." is a hole, chunk 0 random
     up = env.new_upper("a")
-    assert up.write_ready(CS + 10, b"clean") is None  # chunk 1 not copied up yet
-    assert up.read(CS + 10, 5) == env.content[CS + 10 : CS + 15]
-    up.write(CS, b"x")  # copies chunk 1 up
-    assert up.write_ready(CS + 10, b"ready") == 5
-    assert up.write_ready(2 * CS - 2, b"span") is None  # reaches into clean chunk 2
+    expected = bytearray(env.content)
+    assert up.write_ready(10, b"fetch") is None  # chunk 0 is neither cached nor in memory yet
+    assert up.current.dirty_indices() == []
+    assert up.write_ready(CS + 10, b"hole") == 4  # copied up from zeros
+    assert up.write_ready(2 * CS, b"x" * CS) is None  # a whole clean chunk
+    up.read(0, 16)  # chunk 0 is now in memory
+    assert up.write_ready(10, b"ready") == 5
     assert up.write_ready(up.size - 1, b"past") is None
     up._lock.acquire_exclusive()  # a seal switching generations
     try:
         assert up.write_ready(CS + 20, b"held") is None
     finally:
         up._lock.release_exclusive()
-    expected = bytearray(env.content)
-    expected[CS : CS + 1] = b"x"
-    expected[CS + 10 : CS + 15] = b"ready"
+    with up._chunk_lock(4):  # another writer copying chunk 4 up
+        assert up.write_ready(4 * CS + 1, b"busy") is None
+    expected[CS + 10 : CS + 14] = b"hole"
+    expected[10:15] = b"ready"
     assert up.read(0, up.size) == bytes(expected)
+    assert sorted(up.current.dirty_indices()) == [0, 1]
 
 
 def test_a_volatile_layer_orders_without_flushing_the_disk(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
