@@ -3,11 +3,14 @@
 and on a warm cache, fork of N.
 
 Storage-side time is reported apart from the VMM's own time:
-- VMM: "capture" (QEMU pausing and writing device state), pause, resume, and
+- VMM: "capture" (QEMU writing device state, the guest's dirty RAM written
+  back into its upper layer, both layers sealed), "paused" (how long the
+  guest was stopped: it resumes before the seals publish), pause, resume, and
   restore on a warm cache (every chunk local: what is left is QEMU starting,
   loading device state and the guest answering);
-- storage: "seal" (disk layer switch + publication), "publish" (RAM and
-  state imported as layers, snapshot manifest written), and restore on an
+- storage: "seal" (waiting for both seals to publish their chunks),
+  "publish" (state imported as a layer, snapshot manifest written); capture
+  + seal + publish is pause to published (`snap2_total_ms`); and restore on an
   empty cache minus restore on a warm one (chunks fetched, verified, cached):
   `restore_storage_no_set_ms` for the snapshot's first restore anywhere,
   `restore_storage_ms` for a later one on another node (an empty cache
