@@ -14,8 +14,9 @@ A write to a clean chunk first copies the chunk's current content up (unless
 it overwrites the whole chunk), so the data file always holds whole chunks.
 
 Durability: `fsync` fsyncs the data file, then replaces the bitmap, then the
-state (a volatile layer replaces them without flushing the disk). After a crash, chunks marked in the last bitmap hold at least what was
-fsynced; unsynced writes may be lost, as on any disk.
+state (a volatile layer replaces them without flushing the disk). After a
+crash, chunks marked in the last bitmap hold at least what was fsynced;
+unsynced writes may be lost, as on any disk.
 
 Seal (an incremental snapshot) is a metadata switch under an exclusive lock:
 the current generation freezes and joins the `sealing` queue, and a new empty

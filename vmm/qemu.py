@@ -12,12 +12,14 @@ The command line (see vmm/guest/README.md for why each piece):
       -device virtserialport,chardev=agent,name=strata.agent
       -qmp unix:qmp.sock,server=on,wait=off -pidfile WORKDIR/qemu.pid
       -drive file=DISK,format=raw,if=virtio,cache=none
-      [-incoming 'exec:cat STATE']
+      [-incoming defer, then QMP getfd + migrate-incoming fd:NAME; without a
+       RAM file: -incoming 'exec:cat STATE']
 
 The disk is opened with cache=none (O_DIRECT), the path the FUSE mount is
 fastest on. QEMU runs in the work directory and binds its sockets there by
-relative name (a deep work directory outgrows a socket address). Snapshots are QEMU migration streams written with `exec:cat`
-(QEMU 7.2 has no `file:` URI).
+relative name (a deep work directory outgrows a socket address). Snapshots
+are QEMU migration streams to a state file QEMU is handed open (QMP `getfd`,
+`fd:` URI; QEMU 7.2 has no `file:` URI).
 
 QMP serves one client at a time and VMs outlive the process that started
 them, so a `QemuVm` holds no QMP connection between calls: each call
@@ -139,14 +141,7 @@ class QemuVm:
             if self.ram_in_file:  # RAM lives in its file: stream device state only
                 qmp.execute("migrate-set-capabilities",
                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-            # Handed an open file rather than `exec:cat > FILE`: QEMU forking
-            # a shell costs 25-500 ms with a big TCG process, a file costs none.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                qmp.execute("getfd", {"fdname": STATE_FD}, fd=fd)
-            finally:
-                os.close(fd)
-            qmp.execute("migrate", {"uri": f"fd:{STATE_FD}"})
+            qmp.execute("migrate", {"uri": _state_fd(qmp, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)})
             _wait_migrated(qmp, timeout=300)
 
     def kill(self) -> None:
@@ -162,6 +157,21 @@ class QemuVm:
 
 
 STATE_FD = "strata-state"  # the name a state file's descriptor gets in QEMU (QMP getfd)
+
+
+def _state_fd(qmp: QMP, path: Path, flags: int) -> str:
+    """Hand QEMU the state file open (`getfd`); the migration URI naming it.
+
+    Rather than `exec:cat > FILE`: QEMU forking a shell cost 25-500 ms with
+    a big TCG process, and an open file costs nothing."""
+    fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+    try:
+        qmp.execute("getfd", {"fdname": STATE_FD}, fd=fd)
+    finally:
+        os.close(fd)
+    return f"fd:{STATE_FD}"
+
+
 _MIGRATING = ("setup", "active", "device", "pre-switchover", "cancelling")
 
 
@@ -262,12 +272,7 @@ class QemuBackend:
             if spec.incoming is not None and spec.memory_file is not None:
                 qmp.execute("migrate-set-capabilities",
                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-                fd = os.open(spec.incoming, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    qmp.execute("getfd", {"fdname": STATE_FD}, fd=fd)
-                finally:
-                    os.close(fd)
-                qmp.execute("migrate-incoming", {"uri": f"fd:{STATE_FD}"})
+                qmp.execute("migrate-incoming", {"uri": _state_fd(qmp, spec.incoming, os.O_RDONLY)})
             if spec.incoming is not None:
                 deadline = time.monotonic() + ready_timeout
                 while qmp.execute("query-status")["status"] == "inmigrate":
