@@ -43,9 +43,10 @@ from .cache import ChunkCache
 from .control import MountSettings, check_mountpoint, check_sid, control_socket
 from .fetch import ChunkFetcher
 from .fs import StrataFS
-from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved, Handlers,
-                       ListDisks, MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, RecordPrefetch, RemoveDisk,
-                       Seal, Sealed, SealState, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, answer, encode_error)
+from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved,
+                       Handlers, ListDisks, MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, RecordPrefetch,
+                       RemoveDisk, Seal, Sealed, SealState, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, answer,
+                       encode_error)
 from .upper import SealTicket, UpperLayer
 from .view import LayerView
 
@@ -238,19 +239,15 @@ class Catalogue:
         upper = self.sandboxes.get(check_sid(sid))
         if upper is None:
             raise NotFound(f"sandbox {sid} not found")
-        ticket = upper.seal(self._publish, self._sealer.submit)
-        self.seals[sid] = ticket
-        return Sealed(sid=sid, dirty_chunks=ticket.dirty_chunks, switch_ms=round(ticket.switched_in * 1000, 3),
-                      manifest=ticket.result(timeout) if wait else None)
+        ticket = self.seals[sid] = upper.seal(self._publish, self._sealer.submit)
+        return _sealed(ticket, ticket.result(timeout) if wait else None)
 
     def await_seal(self, sid: str, *, timeout: float = 600) -> Sealed:
         """The newest seal of `sid`, once published (its error if it failed)."""
         ticket = self.seals.get(check_sid(sid))
         if ticket is None:
             raise NotFound(f"sandbox {sid} has no seal to wait for")
-        manifest = ticket.result(timeout)
-        return Sealed(sid=sid, dirty_chunks=ticket.dirty_chunks, switch_ms=round(ticket.switched_in * 1000, 3),
-                      manifest=manifest)
+        return _sealed(ticket, ticket.result(timeout))
 
     def sandbox_info(self, upper: UpperLayer, path: Path) -> DiskInfo:
         """The control protocol's view of a sandbox disk, served at `path`."""
@@ -279,6 +276,12 @@ class Catalogue:
             except OSError as exc:
                 log.error("closing sandbox %s: %s", upper.sid, exc)
         self.cache.close()
+
+
+def _sealed(ticket: SealTicket, manifest: str | None) -> Sealed:
+    """The reply about a seal: its manifest once published (None if not waited for)."""
+    return Sealed(sid=ticket.sid, dirty_chunks=ticket.dirty_chunks, switch_ms=round(ticket.switched_in * 1000, 3),
+                  manifest=manifest)
 
 
 class _ControlHandler(socketserver.StreamRequestHandler):

@@ -109,6 +109,11 @@ def _write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
         os.close(dfd)
 
 
+def _zero_tail(data: bytes, n: int) -> bytes:
+    """`data` made `n` bytes long: what the lower stack lacks past the image's end reads as zeros."""
+    return data if len(data) == n else data + bytes(n - len(data))
+
+
 class _Generation:
     """One data file plus its dirty bitmap."""
 
@@ -257,8 +262,7 @@ class UpperLayer:
         for frozen in reversed(self.sealing):
             if frozen.is_dirty(index):
                 return os.pread(frozen.fd, n, index * self.chunk_size + inner)
-        data = self.lower.read(index * self.chunk_size + inner, n)
-        return data if len(data) == n else data + bytes(n - len(data))  # past the image's end: zeros
+        return _zero_tail(self.lower.read(index * self.chunk_size + inner, n), n)
 
     def read(self, offset: int, length: int) -> bytes:
         end = min(self.size, offset + length)
@@ -285,7 +289,7 @@ class UpperLayer:
         try:
             gen = self.current
             for index, inner, n, pos in chunk_spans(offset, offset + len(data), cs):
-                chunk_len = min(cs, self.size - index * cs)
+                chunk_len = self._chunk_len(index)
                 with self._chunk_lock(index):
                     if not gen.is_dirty(index):
                         if not (inner == 0 and n == chunk_len):
@@ -352,9 +356,7 @@ class UpperLayer:
             if frozen.is_dirty(index):
                 return os.pread(frozen.fd, n, index * self.chunk_size)
         data = self.lower.read_ready(index * self.chunk_size, n, max_disk_read=n)
-        if data is None:
-            return None
-        return data if len(data) == n else data + bytes(n - len(data))  # past the image's end: zeros
+        return None if data is None else _zero_tail(data, n)
 
     def fsync(self) -> None:
         self._lock.acquire_shared()
