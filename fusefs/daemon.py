@@ -54,6 +54,7 @@ log = logging.getLogger("strata.fusefs")
 
 RECORD_WINDOW = 10.0  # seconds of a layer's first use on a node recorded as its working set
 RECORD_SHARE = 0.5  # a recorded working set names at most this share of its layer's chunks
+SEALERS = 2  # seal jobs at once: a snapshot seals a disk and a RAM layer
 
 
 class Catalogue:
@@ -73,7 +74,9 @@ class Catalogue:
         self._views: dict[str, LayerView] = {}
         self._lock = threading.Lock()
         self._prefetch = ThreadPoolExecutor(prefetch_workers, thread_name_prefix="strata-prefetch")
-        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="strata-seal")
+        # a VM snapshot seals its disk and its RAM at once: publish them side by
+        # side (each sandbox's own seals still publish in order: upper.py)
+        self._sealer = ThreadPoolExecutor(SEALERS, thread_name_prefix="strata-seal")
         self._prefetched: set[str] = set()
         self.record_window, self.record_share = record_window, record_share
         self._recorders: list[threading.Timer] = []
@@ -227,6 +230,7 @@ class Catalogue:
             slots=dirty,
             annotations={"sandbox": upper.sid},
         )
+        self._keep_sealed(upper, data_path, result.manifest_id, dirty)
         if depth(self.store, result.manifest_id) <= self.squash_depth:
             return result.manifest_id
         try:  # on the seal thread, so in the background of the sandbox that sealed
@@ -234,6 +238,24 @@ class Catalogue:
         except StrataError as exc:  # the deep stack still reads; the next seal tries again
             log.warning("sandbox %s: squashing its layer stack failed: %s", upper.sid, exc)
             return result.manifest_id
+
+    def _keep_sealed(self, upper: UpperLayer, data_path: Path, manifest_id: str, dirty: list[int]) -> None:
+        """Put the chunks a seal just stored into the cache, in the background:
+        the next seal completes its partial chunks from them, and the
+        snapshot's restores and forks read them, without fetch or decode. The
+        bytes are read now, while the frozen generation's file still exists."""
+        chunks = self.store.get_layer(manifest_id).chunks
+        kept = []
+        with open(data_path, "rb") as f:
+            for index in dirty:
+                digest = chunks.get(index)
+                if digest is not None and not self.cache.contains(digest):
+                    kept.append((digest, os.pread(f.fileno(), upper.chunk_size, index * upper.chunk_size)))
+        for digest, data in kept:
+            try:
+                self._prefetch.submit(self.fetcher.keep, digest, data)
+            except RuntimeError:  # shutting down
+                return
 
     def seal(self, sid: str, *, wait: bool = False, timeout: float = 600) -> Sealed:
         upper = self.sandboxes.get(check_sid(sid))

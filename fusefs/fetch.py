@@ -21,6 +21,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
+from layerstore.digest import digest_bytes
 from layerstore.store import Store
 
 from .cache import ChunkCache
@@ -136,6 +137,17 @@ class ChunkFetcher:
         finally:
             with self._lock:
                 self._inflight.pop(digest, None)
+
+    def keep(self, digest: str, data: bytes) -> bool:
+        """Cache chunk bytes this node just stored (a seal): the next seal
+        completes partial chunks from them, and restores and forks of the
+        snapshot read them, without a fetch and a decode. Hashed first, as
+        every cache entry is verified; False if `data` is not `digest`'s."""
+        if digest_bytes(data) != digest:
+            log.error("not caching chunk %s: the bytes hash to something else", digest)
+            return False
+        self._remember(digest, data)
+        return self.cache.put(digest, data)
 
     def prefetch(self, digest: str) -> None:
         """Bring a chunk into the cache; errors are left for a real read to report."""

@@ -5,13 +5,23 @@ On-disk layout of one sandbox (`UPPER_ROOT/<sid>/`):
     state.json       {"base": <manifest id>, "size": N, "chunk_size": C,
                       "gen": g, "sealing": [g1, g2, ...], "layers": [<sealed ids>],
                       "volatile": true (only a VM's RAM: never fsynced, see create)}
-    gen-<g>.data     sparse file of N bytes; a dirty chunk holds its full content
-    gen-<g>.dirty    bitmap, one bit per chunk, written on fsync (atomically)
+    gen-<g>.data     sparse file of N bytes: whole chunks, and pages of partial ones
+    gen-<g>.dirty    written on fsync (atomically):
 
-Reads resolve chunk by chunk: the current generation if the chunk is dirty
-there, else the generation being sealed, else the read-only lower stack.
-A write to a clean chunk first copies the chunk's current content up (unless
-it overwrites the whole chunk), so the data file always holds whole chunks.
+        +---------------------------------+----------------------------------+
+        | chunk bitmap: one bit per chunk | partial chunks, by index:        |
+        | whole in gen-<g>.data           | <u32 LE index><page bitmap> ...  |
+        | (ceil(chunks / 8) bytes)        | (one bit per 4 KiB page held)    |
+        +---------------------------------+----------------------------------+
+
+Reads resolve chunk by chunk and, in a partial chunk, page by page: the
+current generation, then the frozen ones newest first, then the read-only
+lower stack. A write of whole 4 KiB pages to a chunk the generation lacks
+only records the pages: no copy-up (a guest's RAM written back at a snapshot
+is hundreds of scattered pages, and copying up each one's 1 MiB chunk cost
+a decode and a 1 MiB write apiece). Any other write to such a chunk first
+completes it from below. A frozen generation's partial chunks are completed
+by the seal's background job, so a published layer holds whole chunks.
 
 Durability: `fsync` fsyncs the data file, then replaces the bitmap, then the
 state (a volatile layer replaces them without flushing the disk). After a
@@ -36,16 +46,18 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from layerstore.errors import InvalidInput, NotFound, StrataError
 
 from .view import LayerView, chunk_spans
 
 MAX_DISK = 16 << 40  # bytes: the largest sandbox disk (a sparse file)
+PAGE = 4096  # bytes: what a partial chunk holds or lacks
+COMPLETERS = 4  # threads completing a frozen generation's partial chunks before it is published
 
 class RWLock:
     """Many readers/writers of data (shared) or one seal switch (exclusive)."""
@@ -114,44 +126,90 @@ def _zero_tail(data: bytes, n: int) -> bytes:
     return data if len(data) == n else data + bytes(n - len(data))
 
 
+def _has_page(pages: bytearray, page: int) -> bool:
+    return bool(pages[page >> 3] & (1 << (page & 7)))
+
+
+def _page_runs(pages: bytearray, start: int, n: int) -> Iterator[tuple[bool, int, int]]:
+    """Split [start, start + n) of a partial chunk into runs of pages it
+    holds (True) or lacks: yields (held, offset in chunk, length)."""
+    end = start + n
+    while start < end:
+        held = _has_page(pages, start // PAGE)
+        stop = min(end, (start // PAGE + 1) * PAGE)
+        while stop < end and _has_page(pages, stop // PAGE) == held:
+            stop = min(end, stop + PAGE)
+        yield held, start, stop - start
+        start = stop
+
+
 class _Generation:
-    """One data file plus its dirty bitmap."""
+    """One data file plus its dirty map: whole chunks and partial ones' pages."""
 
     def __init__(self, root: Path, gen: int, size: int, chunk_size: int, *, create: bool) -> None:
         self.gen = gen
         self.data_path = root / f"gen-{gen}.data"
         self.dirty_path = root / f"gen-{gen}.dirty"
+        self.size = size
+        self.chunk_size = chunk_size
         count = -(-size // chunk_size)
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
         self.fd = os.open(self.data_path, flags, 0o600)
         if create:
             os.ftruncate(self.fd, size)
         self.bitmap = bytearray(-(-count // 8))
+        self._page_bytes = -(-(chunk_size // PAGE) // 8)
+        self.pages: dict[int, bytearray] = {}  # partial chunk -> bitmap of the pages held
         if self.dirty_path.exists():
-            stored = self.dirty_path.read_bytes()
-            self.bitmap[: len(stored)] = stored[: len(self.bitmap)]
+            self._load(self.dirty_path.read_bytes())
         self.changed = create
 
+    def _load(self, stored: bytes) -> None:
+        self.bitmap[:] = stored[: len(self.bitmap)].ljust(len(self.bitmap), b"\0")
+        record = 4 + self._page_bytes
+        for at in range(len(self.bitmap), len(stored) - record + 1, record):
+            index = int.from_bytes(stored[at : at + 4], "little")
+            if index < len(self.bitmap) * 8 and not self.is_dirty(index):
+                self.pages[index] = bytearray(stored[at + 4 : at + record])
+
     def is_dirty(self, index: int) -> bool:
+        """The generation holds all of chunk `index`."""
         return bool(self.bitmap[index >> 3] & (1 << (index & 7)))
 
     def mark(self, index: int) -> None:
+        """Chunk `index` is whole in the data file (call once its bytes are there)."""
         self.bitmap[index >> 3] |= 1 << (index & 7)
+        self.pages.pop(index, None)
         self.changed = True
 
+    def mark_pages(self, index: int, inner: int, n: int) -> None:
+        """Bytes [inner, inner + n) of chunk `index`, whole pages, are in the data file."""
+        pages = self.pages.get(index)
+        pages = bytearray(self._page_bytes) if pages is None else pages
+        for page in range(inner // PAGE, -(-(inner + n) // PAGE)):
+            pages[page >> 3] |= 1 << (page & 7)
+        chunk_len = min(self.chunk_size, self.size - index * self.chunk_size)
+        if int.from_bytes(pages, "little").bit_count() == -(-chunk_len // PAGE):
+            self.mark(index)
+        else:
+            self.pages[index] = pages
+            self.changed = True
+
     def dirty_indices(self) -> list[int]:
+        """Chunks the generation holds all or part of."""
         out = []
         for byte_index, byte in enumerate(self.bitmap):
             if byte:
                 out.extend(byte_index * 8 + bit for bit in range(8) if byte & (1 << bit))
-        return out
+        return sorted(out + list(self.pages))
 
     def sync(self, *, durable: bool = True) -> None:
         if durable:
             os.fsync(self.fd)
         if self.changed:
             self.changed = False
-            _write_atomic(self.dirty_path, bytes(self.bitmap), durable=durable)
+            records = b"".join(index.to_bytes(4, "little") + pages for index, pages in list(self.pages.items()))
+            _write_atomic(self.dirty_path, bytes(self.bitmap) + records, durable=durable)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -257,12 +315,33 @@ class UpperLayer:
     def _chunk_lock(self, index: int) -> threading.Lock:
         return self._chunk_locks[index % len(self._chunk_locks)]
 
+    def _compose(self, gens: list[_Generation], index: int, inner: int, n: int,
+                 lower: Callable[[int, int], bytes | None]) -> bytes | None:
+        """Bytes [inner, inner + n) of chunk `index` as the generations `gens`
+        (newest first) hold them over what `lower(offset, n)` reads; None
+        when `lower` does (it would have to wait)."""
+        base = index * self.chunk_size
+        for at, gen in enumerate(gens):
+            if gen.is_dirty(index):
+                return os.pread(gen.fd, n, base + inner)
+            pages = gen.pages.get(index)
+            if pages is not None:
+                parts = []
+                for held, start, length in _page_runs(pages, inner, n):
+                    part = (os.pread(gen.fd, length, base + start) if held
+                            else self._compose(gens[at + 1 :], index, start, length, lower))
+                    if part is None:
+                        return None
+                    parts.append(part)
+                return b"".join(parts)
+        data = lower(base + inner, n)
+        return None if data is None else _zero_tail(data, n)
+
     def _read_below(self, index: int, inner: int, n: int) -> bytes:
         """Chunk content under the current generation: newest frozen one first."""
-        for frozen in reversed(self.sealing):
-            if frozen.is_dirty(index):
-                return os.pread(frozen.fd, n, index * self.chunk_size + inner)
-        return _zero_tail(self.lower.read(index * self.chunk_size + inner, n), n)
+        data = self._compose(self.sealing[::-1], index, inner, n, self.lower.read)
+        assert data is not None  # lower.read waits instead
+        return data
 
     def read(self, offset: int, length: int) -> bytes:
         end = min(self.size, offset + length)
@@ -271,11 +350,11 @@ class UpperLayer:
         parts: list[bytes] = []
         self._lock.acquire_shared()
         try:
-            for index, inner, n, pos in chunk_spans(offset, end, self.chunk_size):
-                if self.current.is_dirty(index):
-                    parts.append(os.pread(self.current.fd, n, pos))
-                else:
-                    parts.append(self._read_below(index, inner, n))
+            gens = [self.current, *self.sealing[::-1]]
+            for index, inner, n, _pos in chunk_spans(offset, end, self.chunk_size):
+                data = self._compose(gens, index, inner, n, self.lower.read)
+                assert data is not None  # lower.read waits instead
+                parts.append(data)
         finally:
             self._lock.release_shared()
         return b"".join(parts)
@@ -289,14 +368,16 @@ class UpperLayer:
         try:
             gen = self.current
             for index, inner, n, pos in chunk_spans(offset, offset + len(data), cs):
-                chunk_len = self._chunk_len(index)
+                piece = view[pos - offset : pos - offset + n]
                 with self._chunk_lock(index):
-                    if not gen.is_dirty(index):
-                        if not (inner == 0 and n == chunk_len):
-                            below = self._read_below(index, 0, chunk_len)
-                            os.pwrite(gen.fd, below, index * cs)
-                        gen.mark(index)
-                    os.pwrite(gen.fd, view[pos - offset : pos - offset + n], pos)
+                    if gen.is_dirty(index):
+                        os.pwrite(gen.fd, piece, pos)
+                    elif self._whole_pages(index, inner, n):
+                        os.pwrite(gen.fd, piece, pos)
+                        gen.mark_pages(index, inner, n)
+                    else:
+                        self._complete(gen, index, self._read_below(index, 0, self._chunk_len(index)))
+                        os.pwrite(gen.fd, piece, pos)
         finally:
             self._lock.release_shared()
         return len(data)
@@ -305,58 +386,74 @@ class UpperLayer:
         """A write done at once, or None if it needs `write` (a thread).
 
         Done at once when every chunk it touches is in the current
-        generation already, or can be copied up without waiting: what is
-        below is a frozen generation, a hole or a chunk in memory or in the
-        verified cache. Cheap enough for the FUSE event loop (a 1 MiB copy
-        at most per chunk): writing back a guest's RAM at a snapshot is
-        hundreds of scattered 4 KiB writes, and a thread hop each cost more
-        (~3 ms on a busy 2-core node) than the write. Never waits: a seal
-        switch under way or a chunk another writer is copying up is a None.
+        generation already, is written in whole pages, or can be completed
+        without waiting: what is below is a frozen generation, a hole or a
+        chunk in memory or in the verified cache. Cheap enough for the FUSE
+        event loop (a 1 MiB copy at most per chunk): writing back a guest's
+        RAM at a snapshot is hundreds of scattered 4 KiB writes, and a
+        thread hop each cost more (~3 ms on a busy 2-core node) than the
+        write. Never waits: a seal switch under way or a chunk another
+        writer holds is a None, and a None wrote nothing.
         """
         end = offset + len(data)
         if offset < 0 or end > self.size or not data or not self._lock.try_acquire_shared():
             return None
+        held: list[threading.Lock] = []
         try:
             gen = self.current
-            for index, _inner, n, _pos in chunk_spans(offset, end, self.chunk_size):
+            paged = []
+            for index, inner, n, _pos in chunk_spans(offset, end, self.chunk_size):
                 if gen.is_dirty(index):
                     continue
-                # a whole chunk overwritten: `write` marks it and writes it under its lock
-                if n == self._chunk_len(index) or not self._copy_up_ready(gen, index):
+                lock = self._chunk_lock(index)
+                if lock not in held:
+                    if not lock.acquire(blocking=False):
+                        return None
+                    held.append(lock)
+                if self._whole_pages(index, inner, n):
+                    paged.append((index, inner, n))
+                elif not self._complete_ready(gen, index):
                     return None
-            return os.pwrite(gen.fd, data, offset)
+            done = os.pwrite(gen.fd, data, offset)
+            for index, inner, n in paged:  # marked once their bytes are there: a read in between sees the old
+                gen.mark_pages(index, inner, n)
+            return done
         finally:
+            for lock in held:
+                lock.release()
             self._lock.release_shared()
 
     def _chunk_len(self, index: int) -> int:
         return min(self.chunk_size, self.size - index * self.chunk_size)
 
-    def _copy_up_ready(self, gen: _Generation, index: int) -> bool:
-        """Copy chunk `index` up into `gen` if that needs no waiting (see
-        write_ready). Marked dirty only once its content is there, so a
-        read in between sees the chunk as it was."""
-        lock = self._chunk_lock(index)
-        if not lock.acquire(blocking=False):
-            return False
-        try:
-            if not gen.is_dirty(index):
-                below = self._below_ready(index)
-                if below is None:
-                    return False
-                os.pwrite(gen.fd, below, index * self.chunk_size)
-                gen.mark(index)
-            return True
-        finally:
-            lock.release()
+    def _whole_pages(self, index: int, inner: int, n: int) -> bool:
+        """[inner, inner + n) of chunk `index` is whole pages (the chunk's last one may be short)."""
+        return inner % PAGE == 0 and (n % PAGE == 0 or inner + n == self._chunk_len(index))
 
-    def _below_ready(self, index: int) -> bytes | None:
-        """`_read_below` of a whole chunk, if it can be had without waiting."""
+    def _complete(self, gen: _Generation, index: int, below: bytes) -> None:
+        """Make chunk `index` whole in `gen` from `below` (its whole content
+        under `gen`), keeping the pages `gen` holds. Caller holds the chunk's
+        lock (or `gen` is frozen). Marked only once its content is there, so
+        a read in between sees the chunk as it was."""
+        base = index * self.chunk_size
+        pages = gen.pages.get(index)
+        if pages is None:
+            os.pwrite(gen.fd, below, base)
+        else:
+            for held, start, length in _page_runs(pages, 0, len(below)):
+                if not held:
+                    os.pwrite(gen.fd, below[start : start + length], base + start)
+        gen.mark(index)
+
+    def _complete_ready(self, gen: _Generation, index: int) -> bool:
+        """`_complete` chunk `index` in `gen` if what is below needs no waiting (see write_ready)."""
         n = self._chunk_len(index)
-        for frozen in reversed(self.sealing):
-            if frozen.is_dirty(index):
-                return os.pread(frozen.fd, n, index * self.chunk_size)
-        data = self.lower.read_ready(index * self.chunk_size, n, max_disk_read=n)
-        return None if data is None else _zero_tail(data, n)
+        below = self._compose(self.sealing[::-1], index, 0, n,
+                              lambda off, length: self.lower.read_ready(off, length, max_disk_read=length))
+        if below is None:
+            return False
+        self._complete(gen, index, below)
+        return True
 
     def fsync(self) -> None:
         self._lock.acquire_shared()
@@ -426,7 +523,24 @@ class UpperLayer:
         except BaseException as exc:  # the frozen generations stay queued; a later seal retries them
             ticket.future.set_exception(exc)
 
+    def _complete_frozen(self, frozen: _Generation) -> None:
+        """Make `frozen`'s partial chunks whole, from the lower stack (it is
+        the oldest frozen generation: nothing else is below it). Reads see
+        the same bytes before and after."""
+        def below(index: int) -> bytes:
+            n = self._chunk_len(index)
+            return _zero_tail(self.lower.read(index * self.chunk_size, n), n)
+
+        partial = list(frozen.pages)
+        if not partial:
+            return
+        with ThreadPoolExecutor(min(COMPLETERS, len(partial)), thread_name_prefix="strata-complete") as pool:
+            for index, data in zip(partial, pool.map(below, partial)):
+                self._complete(frozen, index, data)
+        frozen.sync(durable=not self.volatile)
+
     def _publish_oldest(self, frozen: _Generation, publish: Publisher) -> None:
+        self._complete_frozen(frozen)
         dirty = frozen.dirty_indices()
         new_base = publish(self, frozen.data_path, dirty, self.base) if dirty else self.base
         new_lower = self._relower(new_base) if new_base != self.base else self.lower

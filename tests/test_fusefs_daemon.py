@@ -55,6 +55,25 @@ def test_many_seals_stay_shallow_and_read_every_write(cat: Catalogue) -> None:
     assert cat.store.get_layer(manifest).annotations.get("sandbox") == "sb1"
 
 
+def test_a_seals_chunks_are_cached_for_the_next_seal_and_its_restores(cat: Catalogue) -> None:
+    """What a seal stored goes into this node's cache (verified) without a
+    fetch: the next seal completes its partial chunks, and restores read
+    the snapshot, from there. Bytes that are not the digest's are refused."""
+    upper = cat.create_sandbox("sb1", image="base:v1")
+    upper.write(3 * CS + 4096, b"w" * 4096)  # a whole page: chunk 3 partial until the seal completes it
+    upper.write(5 * CS + 7, b"unaligned")
+    manifest = cat.seal("sb1", wait=True).manifest
+    layer = cat.store.get_layer(manifest)
+    assert sorted(layer.chunks) == [3, 5]
+    digests = [layer.chunks[3], layer.chunks[5]]
+    assert wait_for(lambda: all(cat.cache.contains(d) for d in digests))
+    fetches = cat.fetcher.fetches
+    view = cat.view_for_manifest(manifest)
+    assert view.read(3 * CS, CS) == upper.read(3 * CS, CS)
+    assert cat.fetcher.fetches == fetches  # served from the cache
+    assert cat.fetcher.keep(digests[0], b"not these bytes") is False
+
+
 def test_removing_a_sandbox_discards_a_seal_the_store_refused(cat: Catalogue,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     upper = cat.create_sandbox("sb1", image="base:v1")

@@ -96,7 +96,9 @@ def test_write_ready_never_waits_and_never_writes_half(env: Env) -> None:
     assert up.write_ready(10, b"fetch") is None  # chunk 0 is neither cached nor in memory yet
     assert up.current.dirty_indices() == []
     assert up.write_ready(CS + 10, b"hole") == 4  # copied up from zeros
-    assert up.write_ready(2 * CS, b"x" * CS) is None  # a whole clean chunk
+    assert up.write_ready(2 * CS, b"x" * CS) == CS  # a whole chunk: nothing to copy up
+    assert up.write_ready(3 * CS + 4096, b"p" * 4096) == 4096  # whole pages: recorded, chunk 3 not fetched
+    assert 3 in up.current.pages and not up.current.is_dirty(3)
     up.read(0, 16)  # chunk 0 is now in memory
     assert up.write_ready(10, b"ready") == 5
     assert up.write_ready(up.size - 1, b"past") is None
@@ -109,8 +111,10 @@ def test_write_ready_never_waits_and_never_writes_half(env: Env) -> None:
         assert up.write_ready(4 * CS + 1, b"busy") is None
     expected[CS + 10 : CS + 14] = b"hole"
     expected[10:15] = b"ready"
+    expected[2 * CS : 3 * CS] = b"x" * CS
+    expected[3 * CS + 4096 : 3 * CS + 8192] = b"p" * 4096
     assert up.read(0, up.size) == bytes(expected)
-    assert sorted(up.current.dirty_indices()) == [0, 1]
+    assert up.current.dirty_indices() == [0, 1, 2, 3]
 
 
 def test_a_volatile_layer_orders_without_flushing_the_disk(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,6 +148,42 @@ def test_fsynced_writes_survive_reopen(env: Env) -> None:
     again = env.reopen("a")
     assert again.read(3 * CS + 5, 7) == b"durable"
     assert again.read(0, CS) == env.content[:CS]
+
+
+def test_page_writes_record_pages_and_a_seal_publishes_whole_chunks(env: Env) -> None:
+    """Whole-page writes to a chunk the generation lacks keep just those
+    pages: reads merge them with what is below (a frozen generation's pages
+    too), an unaligned write completes the chunk around them, fsync keeps
+    them across a restart, and a published layer holds whole chunks."""
+    up = env.new_upper("a")
+    expected = bytearray(env.content)
+
+    def write(offset: int, data: bytes) -> None:
+        up.write(offset, data)
+        expected[offset : offset + len(data)] = data
+
+    write(4096, b"A" * 4096)
+    write(3 * 4096, b"B" * 8192)
+    write(7 * CS, b"C" * 1000)  # the disk's last chunk is 1000 bytes: one short page, whole
+    assert sorted(up.current.pages) == [0] and up.current.is_dirty(7)
+    assert up.read(0, up.size) == bytes(expected)
+    jobs: list = []
+    first = up.seal(env.publish, jobs.append)  # frozen with a partial chunk 0
+    write(2 * 4096, b"D" * 4096)  # partial over partial, one generation up
+    assert up.read(0, CS) == bytes(expected[:CS])
+    write(CS - 4096 + 7, b"unaligned")  # completes chunk 0 from the frozen pages and the image
+    assert up.current.is_dirty(0) and not up.current.pages
+    write(5 * CS + 4096, b"E" * 4096)
+    up.fsync()
+    again = env.reopen("a")
+    assert again.current.pages.keys() == {5} and again.read(0, again.size) == bytes(expected)
+    jobs[0]()
+    sealed = env.view(first.result(5))
+    assert sealed.read(0, CS) == env.content[:4096] + b"A" * 4096 + env.content[8192:12288] + b"B" * 8192 + env.content[20480:CS]
+    assert up.seal(env.publish, run_now).result(5) and up.read(0, up.size) == bytes(expected)
+    env.store.set_ref("sealed:v2", up.base)
+    export_image(env.store, "sealed:v2", env.tmp / "sealed.img")
+    assert (env.tmp / "sealed.img").read_bytes() == bytes(expected)
 
 
 def test_seal_publishes_exactly_the_dirty_chunks(env: Env) -> None:
