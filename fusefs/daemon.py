@@ -57,6 +57,11 @@ RECORD_SHARE = 0.5  # a recorded working set names at most this share of its lay
 SEALERS = 2  # seal jobs at once: a snapshot seals a disk and a RAM layer
 
 
+def _lowest_priority() -> None:
+    """Run the calling thread at nice 19 (Linux schedules threads one by one)."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 class Catalogue:
     """Everything the filesystem serves: image views, sandboxes, prefetch."""
 
@@ -77,6 +82,9 @@ class Catalogue:
         # a VM snapshot seals its disk and its RAM at once: publish them side by
         # side (each sandbox's own seals still publish in order: upper.py)
         self._sealer = ThreadPoolExecutor(SEALERS, thread_name_prefix="strata-seal")
+        # keeps what seals stored, at the lowest CPU priority: it must not
+        # slow the snapshot that is being published or the guest it resumed
+        self._keeper = ThreadPoolExecutor(1, thread_name_prefix="strata-keep", initializer=_lowest_priority)
         self._prefetched: set[str] = set()
         self.record_window, self.record_share = record_window, record_share
         self._recorders: list[threading.Timer] = []
@@ -240,7 +248,7 @@ class Catalogue:
             return result.manifest_id
 
     def _keep_sealed(self, upper: UpperLayer, data_path: Path, manifest_id: str, dirty: list[int]) -> None:
-        """Put the chunks a seal just stored into the cache, in the background:
+        """Keep the chunks a seal just stored in memory, in the background:
         the next seal completes its partial chunks from them, and the
         snapshot's restores and forks read them, without fetch or decode. The
         bytes are read now, while the frozen generation's file still exists."""
@@ -249,11 +257,11 @@ class Catalogue:
         with open(data_path, "rb") as f:
             for index in dirty:
                 digest = chunks.get(index)
-                if digest is not None and not self.cache.contains(digest):
+                if digest is not None:
                     kept.append((digest, os.pread(f.fileno(), upper.chunk_size, index * upper.chunk_size)))
         for digest, data in kept:
             try:
-                self._prefetch.submit(self.fetcher.keep, digest, data)
+                self._keeper.submit(self.fetcher.keep, digest, data)
             except RuntimeError:  # shutting down
                 return
 
@@ -291,6 +299,7 @@ class Catalogue:
             for timer in self._recorders:
                 timer.cancel()
         self._sealer.shutdown(wait=True)
+        self._keeper.shutdown(wait=False, cancel_futures=True)
         self._prefetch.shutdown(wait=False, cancel_futures=True)
         for upper in self.sandboxes.values():
             try:

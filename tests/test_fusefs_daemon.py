@@ -55,8 +55,8 @@ def test_many_seals_stay_shallow_and_read_every_write(cat: Catalogue) -> None:
     assert cat.store.get_layer(manifest).annotations.get("sandbox") == "sb1"
 
 
-def test_a_seals_chunks_are_cached_for_the_next_seal_and_its_restores(cat: Catalogue) -> None:
-    """What a seal stored goes into this node's cache (verified) without a
+def test_a_seals_chunks_are_kept_for_the_next_seal_and_its_forks(cat: Catalogue) -> None:
+    """What a seal stored stays in this node's memory (verified) without a
     fetch: the next seal completes its partial chunks, and restores read
     the snapshot, from there. Bytes that are not the digest's are refused."""
     upper = cat.create_sandbox("sb1", image="base:v1")
@@ -66,11 +66,11 @@ def test_a_seals_chunks_are_cached_for_the_next_seal_and_its_restores(cat: Catal
     layer = cat.store.get_layer(manifest)
     assert sorted(layer.chunks) == [3, 5]
     digests = [layer.chunks[3], layer.chunks[5]]
-    assert wait_for(lambda: all(cat.cache.contains(d) for d in digests))
+    assert wait_for(lambda: all(cat.fetcher.read_ready(d, 0, CS) is not None for d in digests))
     fetches = cat.fetcher.fetches
     view = cat.view_for_manifest(manifest)
     assert view.read(3 * CS, CS) == upper.read(3 * CS, CS)
-    assert cat.fetcher.fetches == fetches  # served from the cache
+    assert cat.fetcher.fetches == fetches  # served from memory
     assert cat.fetcher.keep(digests[0], b"not these bytes") is False
 
 
