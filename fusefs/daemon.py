@@ -55,6 +55,7 @@ log = logging.getLogger("strata.fusefs")
 RECORD_WINDOW = 10.0  # seconds of a layer's first use on a node recorded as its working set
 RECORD_SHARE = 0.5  # a recorded working set names at most this share of its layer's chunks
 SEALERS = 2  # seal jobs at once: a snapshot seals a disk and a RAM layer
+WRITE_BEHIND = 64 << 20  # bytes of fetched chunks that may wait for their cache write (fetch.py)
 
 
 def _lowest_priority() -> None:
@@ -71,7 +72,7 @@ class Catalogue:
         self.store = store
         self.squash_depth = squash_depth  # a sealed stack deeper than this is squashed (layerstore/squash.py)
         self.cache = cache
-        self.fetcher = ChunkFetcher(store, cache)
+        self.fetcher = ChunkFetcher(store, cache, write_behind=WRITE_BEHIND)
         self.upper_root = upper_root
         self.upper_root.mkdir(parents=True, exist_ok=True)
         self.sandboxes: dict[str, UpperLayer] = {}
@@ -301,6 +302,7 @@ class Catalogue:
         self._sealer.shutdown(wait=True)
         self._keeper.shutdown(wait=False, cancel_futures=True)
         self._prefetch.shutdown(wait=False, cancel_futures=True)
+        self.fetcher.close()
         for upper in self.sandboxes.values():
             try:
                 upper.close()
@@ -395,6 +397,7 @@ class Daemon:
         return self.cat.record_prefetch(parse_ref(r.image))
 
     def cache_drop(self, _r: CacheDrop) -> CacheDropped:
+        self.cat.fetcher.flush()  # else a write still behind would refill it
         return CacheDropped(freed=self.cat.cache.drop())
 
     def pin(self, r: Pin) -> Pinned:
@@ -405,6 +408,7 @@ class Daemon:
         digests = sorted(set(self.cat.view_for_ref(ref).digests()))
         self.cat.cache.pin(("admin", str(ref)), digests)
         list(self.cat._prefetch.map(self.cat.fetcher.prefetch, digests))
+        self.cat.fetcher.flush()
         return Pinned(image=str(ref), chunks=len(digests), cached=sum(map(self.cat.cache.contains, digests)))
 
     def unpin(self, r: Unpin) -> Unpinned:

@@ -47,6 +47,32 @@ def test_concurrent_readers_share_one_fetch(tmp_path: Path) -> None:
     assert fetcher.read(DIGEST) == DATA and fetcher.fetches == 1  # now from the cache
 
 
+def test_cache_writes_go_behind_the_reader_within_a_bound(tmp_path: Path) -> None:
+    """A fetch returns before its cache file is written; a read meanwhile
+    is served from the bytes waiting (no second fetch); flush waits for the
+    write; past the bound the write is the reader's own, as without."""
+    store = open_store(str(tmp_path / "store"))
+    cache = ChunkCache(tmp_path / "cache", capacity=1 << 20)
+    fetcher = ChunkFetcher(store, cache, fetch=lambda digest: DATA, memory=0, write_behind=len(DATA))
+    gate = threading.Event()
+    real_put = cache.put
+    cache.put = lambda digest, data: gate.wait(5) and real_put(digest, data)  # type: ignore[method-assign]
+    assert fetcher.read(DIGEST) == DATA and not cache.contains(DIGEST)  # not waiting for the write
+    assert fetcher.read(DIGEST, 3, 4) == DATA[3:7] and fetcher.fetches == 1
+    other = b"other chunk" * 100
+    other_digest = digest_bytes(other)
+    fetcher._fetch = lambda digest: other  # no room behind: this reader writes its own
+    writer = threading.Thread(target=fetcher.read, args=(other_digest,))
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive()  # blocked in its own cache write
+    gate.set()
+    writer.join(5)
+    fetcher.flush()
+    assert cache.contains(DIGEST) and cache.contains(other_digest)
+    fetcher.close()
+
+
 def test_errors_reach_every_waiter_and_are_not_cached(tmp_path: Path) -> None:
     attempts = []
 
