@@ -235,8 +235,10 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
     t0 = time.perf_counter()
     t.start()
     time.sleep(0.5)  # let the writer dirty some chunks first
-    switch, wall, dirty, busy, failed = [], [], [], 0, []
+    switch, wall, dirty, busy, failed, bare = [], [], [], 0, [], []
     for _ in range(n):
+        # the floor under this load: starting any Python process at all
+        bare.append(sh([sys.executable, "-c", "pass"], m.env)[1] * 1000)
         p, w = sh([STRATA, "disk", "seal", sid, "--mount", str(mp), "--json"], m.env, check=False)
         if p.returncode == 0:
             reply = json.loads(p.stdout)
@@ -262,6 +264,7 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
           f"writer errors: {state['errors'][:2]}")
     return {"switch_p50_ms": pct(switch, 50), "switch_p99_ms": pct(switch, 99), "cli_p50_ms": pct(wall, 50),
             "cli_p99_ms": pct(wall, 99), "cli_idle_floor_ms": statistics.median(floor),
+            "python_start_loaded_p50_ms": pct(bare, 50),
             "dirty_chunks_p50": statistics.median(dirty) if dirty else 0, "done": len(switch), "busy": busy,
             "failed": len(failed), "writer_MBps": state["bytes"] / (t1 - t0) / MB,
             "writer_errors": len(state["errors"]),
@@ -359,7 +362,8 @@ def report(med: dict[str, float], repeat: int, big: str) -> list[str]:
     print(f"\nSeal while writing ({g('seal.done'):.0f} done, {g('seal.busy'):.0f} refused as busy, "
           f"{g('seal.failed'):.0f} failed): switch_ms p50 {g('seal.switch_p50_ms'):.1f} p99 "
           f"{g('seal.switch_p99_ms'):.1f} | CLI wall ms p50 {g('seal.cli_p50_ms'):.0f} p99 "
-          f"{g('seal.cli_p99_ms'):.0f} (idle `disk ls`: {g('seal.cli_idle_floor_ms'):.0f})\n"
+          f"{g('seal.cli_p99_ms'):.0f} (idle `disk ls`: {g('seal.cli_idle_floor_ms'):.0f}; `python -c pass` "
+          f"under the same load: p50 {g('seal.python_start_loaded_p50_ms'):.0f})\n"
           f"  dirty chunks p50 {g('seal.dirty_chunks_p50'):.0f} | writer {g('seal.writer_MBps'):.0f} MB/s, "
           f"{g('seal.writer_errors'):.0f} errors | drain (seal --wait until all published) {g('seal.drain_ms'):.0f} ms")
     for mo, _ in MODES:

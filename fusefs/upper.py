@@ -24,9 +24,13 @@ completes it from below. A frozen generation's partial chunks are completed
 by the seal's background job, so a published layer holds whole chunks.
 
 Durability: `fsync` fsyncs the data file, then replaces the bitmap, then the
-state (a volatile layer replaces them without flushing the disk). After a
-crash, chunks marked in the last bitmap hold at least what was fsynced;
-unsynced writes may be lost, as on any disk.
+state (a volatile layer replaces them without flushing the disk), for the
+current generation and the frozen ones still publishing. After a crash,
+chunks marked in the last bitmap hold at least what was fsynced; unsynced
+writes may be lost, as on any disk. A seal's switch does not flush the
+generation it freezes (a second under a fast writer, and a VM snapshot's
+guest waited for it): its background job does, first, and a crash before
+that publishes, after the restart, what the disk had fsynced.
 
 Seal (an incremental snapshot) is a metadata switch under an exclusive lock:
 the current generation freezes and joins the `sealing` queue, and a new empty
@@ -153,14 +157,19 @@ class _Generation:
         self.size = size
         self.chunk_size = chunk_size
         count = -(-size // chunk_size)
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        # A generation the state names may have no files after a crash (a
+        # seal's switch creates them without flushing): it is empty. A new
+        # one starts empty whatever a crash left under its name.
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_CREAT | (os.O_TRUNC if create else 0)
         self.fd = os.open(self.data_path, flags, 0o600)
-        if create:
+        if os.fstat(self.fd).st_size != size:
             os.ftruncate(self.fd, size)
         self.bitmap = bytearray(-(-count // 8))
         self._page_bytes = -(-(chunk_size // PAGE) // 8)
         self.pages: dict[int, bytearray] = {}  # partial chunk -> bitmap of the pages held
-        if self.dirty_path.exists():
+        if create:
+            self.dirty_path.unlink(missing_ok=True)
+        elif self.dirty_path.exists():
             self._load(self.dirty_path.read_bytes())
         self.changed = create
 
@@ -305,11 +314,13 @@ class UpperLayer:
             raise StrataError(f"sandbox {root.name}: state.json is corrupt ({exc})") from None
         return state
 
-    def _persist_state(self) -> None:
+    def _persist_state(self, *, durable: bool = True) -> None:
+        """Write state.json; a write that is not durable is made so by the next fsync."""
         state = {"base": self.base, "size": self.size, "chunk_size": self.chunk_size, "gen": self.current.gen,
                  "sealing": [g.gen for g in self.sealing], "layers": self.layers,
                  **({"volatile": True} if self.volatile else {})}
-        _write_atomic(self.root / "state.json", json.dumps(state).encode(), durable=not self.volatile)
+        _write_atomic(self.root / "state.json", json.dumps(state).encode(), durable=durable and not self.volatile)
+        self._state_changed = not durable
 
     # data path --------------------------------------------------------------
     def _chunk_lock(self, index: int) -> threading.Lock:
@@ -459,10 +470,10 @@ class UpperLayer:
         self._lock.acquire_shared()
         try:
             with self._seal_lock:
-                self.current.sync(durable=not self.volatile)
+                for gen in (*self.sealing, self.current):  # writes before a seal are in a frozen one
+                    gen.sync(durable=not self.volatile)
                 if self._state_changed:
                     self._persist_state()
-                    self._state_changed = False
         finally:
             self._lock.release_shared()
 
@@ -488,9 +499,9 @@ class UpperLayer:
             finally:
                 self._lock.release_exclusive()
             switched = time.monotonic() - started
-            frozen.sync(durable=not self.volatile)
-            self.current.sync(durable=not self.volatile)
-            self._persist_state()
+            # nothing flushed: under a busy writer any fsync waits for its
+            # data (~1 s here), and a VM snapshot's guest waits for the switch
+            self._persist_state(durable=False)
             ticket = SealTicket(self.sid, frozen.gen, len(frozen.dirty_indices()), Future(), switched)
             self.pending_seal = ticket
         run(lambda: self._publish_job(ticket, publish))
@@ -537,9 +548,9 @@ class UpperLayer:
         with ThreadPoolExecutor(min(COMPLETERS, len(partial)), thread_name_prefix="strata-complete") as pool:
             for index, data in zip(partial, pool.map(below, partial)):
                 self._complete(frozen, index, data)
-        frozen.sync(durable=not self.volatile)
 
     def _publish_oldest(self, frozen: _Generation, publish: Publisher) -> None:
+        frozen.sync(durable=not self.volatile)  # what the switch left: a restart republishes all of it
         self._complete_frozen(frozen)
         dirty = frozen.dirty_indices()
         new_base = publish(self, frozen.data_path, dirty, self.base) if dirty else self.base

@@ -139,6 +139,46 @@ def test_a_volatile_layer_orders_without_flushing_the_disk(env: Env, monkeypatch
     assert flushes and not disk.volatile
 
 
+def test_a_seal_leaves_flushing_to_fsync_and_loses_nothing_fsynced(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seal's switch never flushes the generation it freezes (a second
+    under a fast writer); the next fsync does, so a write made before a
+    seal and fsynced after it survives a crash before the publication."""
+    up = env.new_upper("a")
+    up.write(2 * CS + 3, b"before the seal")
+    flushed: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(fd), real_fsync(fd)))
+    jobs: list = []
+    up.seal(env.publish, jobs.append)
+    frozen = up.sealing[0]
+    assert frozen.fd not in flushed
+    up.fsync()
+    assert frozen.fd in flushed
+    again = env.reopen("a")  # the daemon died before publishing
+    assert again.read(2 * CS + 3, 15) == b"before the seal"
+    manifest = again.resume_seals(env.publish, run_now)[0].result(5)
+    assert env.view(manifest).read(2 * CS + 3, 15) == b"before the seal"
+
+
+def test_generation_files_a_crash_left_or_lost_read_as_empty(env: Env) -> None:
+    """A seal's switch writes nothing durably: after a crash the state may
+    name a generation whose files never reached the disk (it is empty), or
+    not name one whose stale files did (a new one of that name ignores them)."""
+    up = env.new_upper("a")
+    stale = up.root / "gen-2.data"
+    stale.write_bytes(b"S" * up.size)
+    (up.root / "gen-2.dirty").write_bytes(b"\xff" * len(up.current.bitmap))
+    up.seal(env.publish, lambda job: None)  # gen 2 is created over the leftovers
+    assert up.current.gen == 2 and up.current.dirty_indices() == []
+    assert up.read(0, up.size) == env.content
+    up.write(5, b"x")
+    up.fsync()
+    for leftover in ("gen-2.data", "gen-2.dirty"):  # as if the switch's files were lost
+        (up.root / leftover).unlink()
+    again = env.reopen("a")
+    assert again.current.gen == 2 and again.read(0, again.size) == env.content
+
+
 def test_fsynced_writes_survive_reopen(env: Env) -> None:
     up = env.new_upper("a")
     up.write(3 * CS + 5, b"durable")
@@ -244,6 +284,7 @@ def test_interrupted_seal_resumes_after_restart(env: Env) -> None:
     up.seal(env.publish, jobs.append)  # switched, never published: the process "dies"
     up.write(100, b"second")
     up.seal(env.publish, jobs.append)
+    up.fsync()  # a switch does not flush (the job does, first): the guest's fsync did
     assert len(up.sealing) == 2
     again = env.reopen("a")
     assert again.read(7, 6) == b"sealme" and again.read(100, 6) == b"second"  # through the frozen generations
