@@ -213,12 +213,17 @@ class _Generation:
         return sorted(out + list(self.pages))
 
     def sync(self, *, durable: bool = True) -> None:
+        # The map is taken before the data is flushed: a chunk or page marked
+        # in it had its bytes written before the mark, so they are flushed
+        # too; one marked by a writer meanwhile waits for the next sync.
+        changed, self.changed = self.changed, False
+        if changed:
+            records = b"".join(index.to_bytes(4, "little") + pages for index, pages in list(self.pages.items()))
+            stored = bytes(self.bitmap) + records
         if durable:
             os.fsync(self.fd)
-        if self.changed:
-            self.changed = False
-            records = b"".join(index.to_bytes(4, "little") + pages for index, pages in list(self.pages.items()))
-            _write_atomic(self.dirty_path, bytes(self.bitmap) + records, durable=durable)
+        if changed:
+            _write_atomic(self.dirty_path, stored, durable=durable)
 
     def close(self) -> None:
         os.close(self.fd)
