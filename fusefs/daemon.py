@@ -56,6 +56,7 @@ RECORD_WINDOW = 10.0  # seconds of a layer's first use on a node recorded as its
 RECORD_SHARE = 0.5  # a recorded working set names at most this share of its layer's chunks
 SEALERS = 2  # seal jobs at once: a snapshot seals a disk and a RAM layer
 WRITE_BEHIND = 64 << 20  # bytes of fetched chunks that may wait for their cache write (fetch.py)
+KEEP_SEALED = 32 << 20  # bytes of a seal's chunks kept in memory (the fetcher's recent set holds 64 MiB)
 
 
 def _lowest_priority() -> None:
@@ -252,11 +253,14 @@ class Catalogue:
         """Keep the chunks a seal just stored in memory, in the background:
         the next seal completes its partial chunks from them, and the
         snapshot's restores and forks read them, without fetch or decode. The
-        bytes are read now, while the frozen generation's file still exists."""
+        bytes are read now, while the frozen generation's file still exists;
+        at most KEEP_SEALED of them (a VM snapshot's RAM is tens of chunks; a
+        disk sealed under a bulk writer can be hundreds, which memory would
+        not hold anyway)."""
         chunks = self.store.get_layer(manifest_id).chunks
         kept = []
         with open(data_path, "rb") as f:
-            for index in dirty:
+            for index in dirty[: KEEP_SEALED // upper.chunk_size]:
                 digest = chunks.get(index)
                 if digest is not None:
                     kept.append((digest, os.pread(f.fileno(), upper.chunk_size, index * upper.chunk_size)))
