@@ -130,8 +130,18 @@ def _zero_tail(data: bytes, n: int) -> bytes:
     return data if len(data) == n else data + bytes(n - len(data))
 
 
-def _has_page(pages: bytearray, page: int) -> bool:
-    return bool(pages[page >> 3] & (1 << (page & 7)))
+def _bit(bits: bytearray, i: int) -> bool:
+    """Bit `i` of a bitmap (chunks of a generation, pages of a partial chunk)."""
+    return bool(bits[i >> 3] & (1 << (i & 7)))
+
+
+def _set_bit(bits: bytearray, i: int) -> None:
+    bits[i >> 3] |= 1 << (i & 7)
+
+
+def _chunk_len(size: int, chunk_size: int, index: int) -> int:
+    """Bytes of chunk `index` in a disk of `size` bytes (the last one may be short)."""
+    return min(chunk_size, size - index * chunk_size)
 
 
 def _page_runs(pages: bytearray, start: int, n: int) -> Iterator[tuple[bool, int, int]]:
@@ -139,9 +149,9 @@ def _page_runs(pages: bytearray, start: int, n: int) -> Iterator[tuple[bool, int
     holds (True) or lacks: yields (held, offset in chunk, length)."""
     end = start + n
     while start < end:
-        held = _has_page(pages, start // PAGE)
+        held = _bit(pages, start // PAGE)
         stop = min(end, (start // PAGE + 1) * PAGE)
-        while stop < end and _has_page(pages, stop // PAGE) == held:
+        while stop < end and _bit(pages, stop // PAGE) == held:
             stop = min(end, stop + PAGE)
         yield held, start, stop - start
         start = stop
@@ -183,11 +193,11 @@ class _Generation:
 
     def is_dirty(self, index: int) -> bool:
         """The generation holds all of chunk `index`."""
-        return bool(self.bitmap[index >> 3] & (1 << (index & 7)))
+        return _bit(self.bitmap, index)
 
     def mark(self, index: int) -> None:
         """Chunk `index` is whole in the data file (call once its bytes are there)."""
-        self.bitmap[index >> 3] |= 1 << (index & 7)
+        _set_bit(self.bitmap, index)
         self.pages.pop(index, None)
         self.changed = True
 
@@ -196,9 +206,8 @@ class _Generation:
         pages = self.pages.get(index)
         pages = bytearray(self._page_bytes) if pages is None else pages
         for page in range(inner // PAGE, -(-(inner + n) // PAGE)):
-            pages[page >> 3] |= 1 << (page & 7)
-        chunk_len = min(self.chunk_size, self.size - index * self.chunk_size)
-        if int.from_bytes(pages, "little").bit_count() == -(-chunk_len // PAGE):
+            _set_bit(pages, page)
+        if int.from_bytes(pages, "little").bit_count() == -(-_chunk_len(self.size, self.chunk_size, index) // PAGE):
             self.mark(index)
         else:
             self.pages[index] = pages
@@ -440,7 +449,7 @@ class UpperLayer:
             self._lock.release_shared()
 
     def _chunk_len(self, index: int) -> int:
-        return min(self.chunk_size, self.size - index * self.chunk_size)
+        return _chunk_len(self.size, self.chunk_size, index)
 
     def _whole_pages(self, index: int, inner: int, n: int) -> bool:
         """[inner, inner + n) of chunk `index` is whole pages (the chunk's last one may be short)."""
