@@ -4,7 +4,13 @@ On-disk layout of one sandbox (`UPPER_ROOT/<sid>/`):
 
     state.json       {"base": <manifest id>, "size": N, "chunk_size": C,
                       "gen": g, "sealing": [g1, g2, ...], "layers": [<sealed ids>],
+                      "seq": n (counts the records written; absent = 0),
                       "volatile": true (only a VM's RAM: never fsynced, see create)}
+                     replaced (temp file, fsync, rename) by durable records
+    state.next       <the same JSON>\n<its blake3, hex>\n<older bytes: ignored>
+                     the records that need not be durable (a seal's switch):
+                     overwritten in place, never renamed or truncated, and
+                     read only if it checks out and its seq is the higher
     gen-<g>.data     sparse file of N bytes: whole chunks, and pages of partial ones
     gen-<g>.dirty    written on fsync (atomically):
 
@@ -32,6 +38,12 @@ generation it freezes (a second under a fast writer, and a VM snapshot's
 guest waited for it): its background job does, first, and a crash before
 that publishes, after the restart, what the disk had fsynced.
 
+Why two state files: replacing a file by rename makes ext4 write the new
+file's data at once (auto_da_alloc), and under a fast writer that write
+queued behind the writer's: up to 117 ms for a seal's non-durable record,
+against 5 ms for an overwrite in place. A torn `state.next` (a power cut
+mid-write) fails its check and the durable `state.json` is read instead.
+
 Seal (an incremental snapshot) is a metadata switch under an exclusive lock:
 the current generation freezes and joins the `sealing` queue, and a new empty
 generation takes writes. Writers are held only for that switch, never for
@@ -55,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from layerstore.digest import digest_bytes
 from layerstore.errors import InvalidInput, NotFound, StrataError
 
 from .view import LayerView, chunk_spans
@@ -123,6 +136,25 @@ def _write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _overwrite_checked(path: Path, body: bytes) -> None:
+    """Write `body` and its digest over the start of `path` (see state.next)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, b"%s\n%s\n" % (body, digest_bytes(body).encode()), 0)
+    finally:
+        os.close(fd)
+
+
+def _read_checked(path: Path) -> dict[str, object] | None:
+    """What `_overwrite_checked` wrote to `path`, or None (none, torn or corrupt)."""
+    try:
+        body, check, _ = path.read_bytes().split(b"\n", 2)
+        state = json.loads(body) if check.decode() == digest_bytes(body) else None
+    except (FileNotFoundError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def _zero_tail(data: bytes, n: int) -> bytes:
@@ -288,6 +320,7 @@ class UpperLayer:
         self._publish_lock = threading.Lock()
         self._published: dict[int, str] = {}
         self._state_changed = False
+        self._state_seq = int(state.get("seq", 0))  # type: ignore[call-overload]
         self._seal_lock = threading.Lock()
         self.pending_seal: SealTicket | None = None
 
@@ -320,20 +353,27 @@ class UpperLayer:
 
     @staticmethod
     def read_state(root: Path) -> dict[str, object]:
+        """The newest state record: state.json, or state.next where it checks out and is newer."""
         try:
             state = json.loads((root / "state.json").read_text())
         except FileNotFoundError:
             raise NotFound(f"sandbox {root.name} has no state (not a sandbox directory)") from None
         except ValueError as exc:
             raise StrataError(f"sandbox {root.name}: state.json is corrupt ({exc})") from None
-        return state
+        newer = _read_checked(root / "state.next")
+        return newer if newer is not None and newer.get("seq", 0) > state.get("seq", 0) else state  # type: ignore[operator]
 
     def _persist_state(self, *, durable: bool = True) -> None:
-        """Write state.json; a write that is not durable is made so by the next fsync."""
+        """Record the state: durably in state.json, or (not durable, or a
+        volatile layer) in state.next, made durable by the next fsync."""
+        self._state_seq += 1
         state = {"base": self.base, "size": self.size, "chunk_size": self.chunk_size, "gen": self.current.gen,
-                 "sealing": [g.gen for g in self.sealing], "layers": self.layers,
+                 "sealing": [g.gen for g in self.sealing], "layers": self.layers, "seq": self._state_seq,
                  **({"volatile": True} if self.volatile else {})}
-        _write_atomic(self.root / "state.json", json.dumps(state).encode(), durable=durable and not self.volatile)
+        if durable and not self.volatile:
+            _write_atomic(self.root / "state.json", json.dumps(state).encode())
+        else:
+            _overwrite_checked(self.root / "state.next", json.dumps(state).encode())
         self._state_changed = not durable
 
     # data path --------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -357,3 +358,43 @@ def test_a_disk_larger_than_its_image_reads_zeros_past_it_and_seals_whole(env: E
     for bad in (base_size - 1, 1 << 60):
         with pytest.raises(InvalidInput, match="disk size"):
             UpperLayer.create(env.tmp / "uppers" / f"bad{bad}", env.view(env.base_id), relower=env.view, size=bad)
+
+
+def test_a_seals_state_record_is_overwritten_in_place_and_checked(env: Env) -> None:
+    """A seal's switch records the state in state.next, in place (a rename
+    under a fast writer waited up to 117 ms for ext4 to write the file);
+    a reopen reads the newer of the two records, and a torn or stale
+    state.next is never read."""
+    up = env.new_upper("a")
+    up.write(5, b"x")
+    up.fsync()
+    durable = (up.root / "state.json").read_bytes()
+    up.seal(env.publish, lambda job: None)
+    assert (up.root / "state.json").read_bytes() == durable  # not replaced
+    next_inode = (up.root / "state.next").stat().st_ino
+    up.write(CS + 1, b"after the seal")
+    up.fsync()  # makes the first switch durable: state.json
+    durable = (up.root / "state.json").read_bytes()
+    up.seal(env.publish, lambda job: None)
+    assert (up.root / "state.json").read_bytes() == durable
+    assert (up.root / "state.next").stat().st_ino == next_inode  # overwritten, not renamed
+    again = env.reopen("a")
+    assert again.current.gen == 3 and [g.gen for g in again.sealing] == [1, 2]
+    assert again.read(CS + 1, 14) == b"after the seal"
+    # torn: the record no longer matches its digest -> the durable state
+    record = (up.root / "state.next").read_bytes()
+    (up.root / "state.next").write_bytes(record.replace(b'"gen": 3', b'"gen": 4'))
+    assert UpperLayer.read_state(up.root)["gen"] == 2
+    (up.root / "state.next").write_bytes(record)
+    assert UpperLayer.read_state(up.root)["gen"] == 3
+    # a durable record supersedes it: the publications are in state.json
+    for ticket in again.resume_seals(env.publish, run_now):
+        ticket.result(5)
+    state = UpperLayer.read_state(up.root)
+    assert state == json.loads((up.root / "state.json").read_text()) and state["sealing"] == []
+    assert _read_state_next(up.root)["seq"] < state["seq"]
+
+
+def _read_state_next(root: Path) -> dict:
+    body = (root / "state.next").read_bytes().split(b"\n", 1)[0]
+    return json.loads(body)
