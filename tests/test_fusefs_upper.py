@@ -12,7 +12,7 @@ import pytest
 from fusefs.cache import ChunkCache
 from fusefs.fetch import ChunkFetcher
 from fusefs.control import check_sid
-from fusefs.upper import UpperLayer
+from fusefs.upper import UpperLayer, _read_checked
 from fusefs.view import LayerView
 from layerstore.errors import InvalidInput
 from layerstore.exporter import export_image
@@ -392,9 +392,5 @@ def test_a_seals_state_record_is_overwritten_in_place_and_checked(env: Env) -> N
         ticket.result(5)
     state = UpperLayer.read_state(up.root)
     assert state == json.loads((up.root / "state.json").read_text()) and state["sealing"] == []
-    assert _read_state_next(up.root)["seq"] < state["seq"]
-
-
-def _read_state_next(root: Path) -> dict:
-    body = (root / "state.next").read_bytes().split(b"\n", 1)[0]
-    return json.loads(body)
+    stale = _read_checked(up.root / "state.next")
+    assert stale is not None and stale["seq"] < state["seq"]  # type: ignore[operator]
