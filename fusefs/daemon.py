@@ -402,7 +402,9 @@ class Daemon:
 
     def cache_drop(self, _r: CacheDrop) -> CacheDropped:
         self.cat.fetcher.flush()  # else a write still behind would refill it
-        return CacheDropped(freed=self.cat.cache.drop())
+        freed = self.cat.cache.drop()
+        self.cat.fetcher.forget_all()
+        return CacheDropped(freed=freed)
 
     def pin(self, r: Pin) -> Pinned:
         """Fetch every chunk of an image into the cache and keep it there

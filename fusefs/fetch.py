@@ -128,12 +128,12 @@ class ChunkFetcher:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
 
-    def forget(self, digest: str) -> None:
-        """Drop a chunk from the in-memory set (e.g. after the cache dropped it)."""
+    def forget_all(self) -> None:
+        """Empty the in-memory set (the cache was dropped: a read after it
+        must not be served from a copy the node was asked to let go of)."""
         with self._lock:
-            data = self._memory.pop(digest, None)
-            if data is not None:
-                self._memory_size -= len(data)
+            self._memory.clear()
+            self._memory_size = 0
 
     def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes:
         """Bytes [offset, offset+length) of chunk `digest` (whole chunk if length < 0)."""

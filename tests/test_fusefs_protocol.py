@@ -303,7 +303,14 @@ def test_real_daemon_survives_bad_requests_and_keeps_error_classes(tmp_path: Pat
         assert m.client.remove_disk("sb1").sid == "sb1"
         assert m.client.pin("base:v1").chunks == 2 and m.client.unpin("base:v1").image == "base:v1"
         assert m.client.stats(timeout=10).cache["size"] > 0
+        image = m.mnt / "images" / "base:v1" / "disk.img"
+        image.read_bytes()  # both chunks now in the cache and in memory
         assert m.client.cache_drop().freed > 0
         assert m.client.stats().cache["size"] == 0
+        fetches = m.client.stats().fetches
+        with open(image, "rb", buffering=0) as f:  # a fresh open: the kernel's page cache is dropped too
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            f.read()
+        assert m.client.stats().fetches == fetches + 2  # from the store: nothing was left in memory
     finally:
         m.stop()
