@@ -48,6 +48,7 @@ from layerstore.errors import StrataError  # noqa: E402
 
 BS, PAGE = 1 << 20, 4096
 MB = 1e6  # MB/s are decimal megabytes, like the targets
+BUSY = "still being published"  # how the daemon refuses a seal while the previous one publishes
 STRATA = str(ROOT / ".venv" / "bin" / "strata")
 MODES = (("buffered", False), ("direct", True))
 COMMANDS: list[str] = []
@@ -249,7 +250,7 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
     t0 = time.perf_counter()
     writer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)  # let the writer dirty some chunks first
-    switch, wall, request, dirty, busy, failed, bare = [], [], [], [], 0, [], []
+    switch, wall, request, dirty, busy, failed, bare = [], [], [], [], [], [], []
     client = MountClient(mp, run_dir=Path(m.env["STRATA_RUN_DIR"]))
 
     def done(reply: dict[str, Any], ms: float, walls: list[float]) -> None:
@@ -257,16 +258,18 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
         dirty.append(reply["dirty_chunks"])
         walls.append(ms)
 
+    def refused(error: str) -> None:
+        # busy: the previous seal's chunks are not in the store yet
+        (busy if BUSY in error else failed).append(error.strip())
+
     for _ in range(n):
         # the floor under this load: starting any Python process at all
         bare.append(sh([sys.executable, "-c", "pass"], m.env)[1] * 1000)
         p, w = sh([STRATA, "disk", "seal", sid, "--mount", str(mp), "--json"], m.env, check=False)
         if p.returncode == 0:
             done(json.loads(p.stdout), w * 1000, wall)
-        elif "still being published" in p.stderr:
-            busy += 1  # refused: the previous seal's chunks are not in the store yet
         else:
-            failed.append(p.stderr.strip())
+            refused(p.stderr)
         time.sleep(pause)
         # the same seal as a VMM asks for it: one request on the control socket
         note(f"MountClient({str(mp)!r}).seal({sid!r})  # in this process")
@@ -275,26 +278,25 @@ def seal_test(m: Mounts, mp: Path, ref: str, sid: str, n: int, pause: float) -> 
             reply = asdict(client.seal(sid))
             done(reply, (time.perf_counter() - t) * 1000, request)
         except StrataError as exc:
-            busy += "still being published" in str(exc)
-            failed += [] if "still being published" in str(exc) else [str(exc)]
+            refused(str(exc))
         time.sleep(pause)
     # stop: closing its stdin ends the writer, which closes (flushes) its file and reports
     state = json.loads(writer.communicate(input="", timeout=120)[0])
     t1 = time.perf_counter()  # drain: a last seal --wait, retried while an earlier one still publishes
     while (p := sh([STRATA, "disk", "seal", sid, "--mount", str(mp), "--wait", "--json"], m.env, check=False)[0]
-           ).returncode and "still being published" in p.stderr and time.perf_counter() - t1 < 300:
+           ).returncode and BUSY in p.stderr and time.perf_counter() - t1 < 300:
         time.sleep(0.2)
     if p.returncode:
         raise RuntimeError(f"final seal --wait failed: {p.stderr.strip()}")
     publish = time.perf_counter() - t1
     sh([STRATA, "disk", "rm", sid, "--mount", str(mp), "--json"], m.env)
-    print(f"  -> {len(switch)} seals done, {busy} refused as busy, failed: {failed[:2]}, "
+    print(f"  -> {len(switch)} seals done, {len(busy)} refused as busy, failed: {failed[:2]}, "
           f"writer errors: {state['errors'][:2]}")
     return {"switch_p50_ms": pct(switch, 50), "switch_p99_ms": pct(switch, 99),
             "request_p50_ms": pct(request, 50), "request_p99_ms": pct(request, 99), "cli_p50_ms": pct(wall, 50),
             "cli_p99_ms": pct(wall, 99), "cli_idle_floor_ms": statistics.median(floor),
             "python_start_loaded_p50_ms": pct(bare, 50),
-            "dirty_chunks_p50": statistics.median(dirty) if dirty else 0, "done": len(switch), "busy": busy,
+            "dirty_chunks_p50": statistics.median(dirty) if dirty else 0, "done": len(switch), "busy": len(busy),
             "failed": len(failed), "writer_MBps": state["bytes"] / (t1 - t0) / MB,
             "writer_errors": len(state["errors"]),
             "drain_ms": publish * 1000}
