@@ -69,15 +69,12 @@ class Catalog:
         caller.check_may_replace(owner, f"template {name}")
 
     def _stored_bytes(self, team: str) -> int:
-        """Bytes stored for a team's images and snapshots, each chunk once."""
-        digests: set[str] = set()
+        """Bytes stored for a team's images and snapshots, each chunk and pack once."""
         layers = [manifest for ref, manifest, _u in self.store.list_refs()
                   if (self.store.ref_owner(ref) or DEFAULT_TEAM) == team]
         for s in inventory.list_snapshots(self.store, team=team):
             layers += self.store.get_snapshot(s.snapshot_id).layers.values()
-        for layer_id in layers:
-            digests |= set(self.store.chunk_map(layer_id)[1].values())
-        return sum(self.store.stored_sizes(digests).values())
+        return self.store.stored_bytes(layers)[0]
 
     # snapshots (layerstore/inventory.py answers; this only shapes the reply) ------------
     def snapshots(self, caller: Caller, *, sandbox: str | None = None,

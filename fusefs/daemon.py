@@ -33,7 +33,7 @@ import pyfuse3
 import trio
 
 from layerstore.errors import InvalidInput, NotFound, StrataError
-from layerstore.importer import import_image
+from layerstore.delta import publish_delta
 from layerstore.refs import Ref, parse_ref
 from layerstore.squash import depth, squash
 from layerstore.store import Store, open_store
@@ -99,6 +99,7 @@ class Catalogue:
         if view is not None:
             return view
         top, resolved = self.store.chunk_map(manifest_id)
+        self.fetcher.learn(self.store.packed_map(manifest_id))
         view = LayerView(self.fetcher, manifest_id, top.size, top.chunk_size, resolved)
         with self._lock:
             return self._views.setdefault(manifest_id, view)
@@ -231,15 +232,9 @@ class Catalogue:
             log.warning("sandbox %s: discarded %d sealed layer(s) never published (removed)", upper.sid, dropped)
 
     def _publish(self, upper: UpperLayer, data_path: Path, dirty: list[int], base: str) -> str:
-        result = import_image(
-            self.store,
-            data_path,
-            None,
-            chunk_size=upper.chunk_size,
-            parent=base,
-            slots=dirty,
-            annotations={"sandbox": upper.sid},
-        )
+        # changed pages over the chunks below, in one pack (layerstore/delta.py)
+        result = publish_delta(self.store, data_path, parent=base, slots=dirty, read_base=self.fetcher.read,
+                               annotations={"sandbox": upper.sid})
         self._keep_sealed(upper, data_path, result.manifest_id, dirty)
         if depth(self.store, result.manifest_id) <= self.squash_depth:
             return result.manifest_id

@@ -5,7 +5,8 @@
 1. the local cache (`ChunkCache`), a pread of uncompressed bytes;
 2. otherwise the store: `Store.read_chunk` fetches, decompresses and checks
    the blake3 digest (a corrupt object raises CorruptObject, never returns
-   data), then the bytes go into the cache.
+   data), then the bytes go into the cache. A chunk stored in a pack is
+   rebuilt from its entry and base, as the views told the fetcher (`learn`).
 
 Concurrent readers of the same missing chunk share one fetch (single flight):
 the first becomes the leader, the others wait for its result or its error.
@@ -19,9 +20,10 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Mapping
 
 from layerstore.digest import digest_bytes
+from layerstore.manifest import Packed
 from layerstore.store import Store
 
 from .cache import ChunkCache
@@ -43,8 +45,9 @@ class ChunkFetcher:
     ) -> None:
         self.store = store
         self.cache = cache
-        self._fetch = fetch or store.read_chunk
+        self._fetch = fetch or self._from_store
         self._lock = threading.Lock()
+        self._packed: dict[str, Packed] = {}  # where packed chunks are (digest -> pack entry)
         self._inflight: dict[str, Future[bytes]] = {}
         # Chunks fetched recently, kept whole in memory: the kernel reads a
         # 1 MiB chunk in 128 KiB requests, and all but the first are served
@@ -62,6 +65,16 @@ class ChunkFetcher:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="strata-cache-write") if write_behind else None
         self.fetches = 0  # backend fetches actually issued (for tests and stats)
         self.memory_hits = 0  # reads served from the in-memory recent set
+
+    def learn(self, packed: Mapping[str, Packed]) -> None:
+        """Where the packed chunks of a layer being served are (Store.packed_map)."""
+        with self._lock:
+            self._packed.update(packed)
+
+    def _from_store(self, digest: str) -> bytes:
+        with self._lock:
+            where = self._packed.get(digest)
+        return self.store.read_chunk(digest, where)
 
     def _remember(self, digest: str, data: bytes) -> None:
         if len(data) > self._memory_cap:

@@ -60,6 +60,7 @@ def export_image(
     ref = parse_ref(ref) if isinstance(ref, str) else ref
     manifest_id = store.resolve(ref)
     top, resolved = store.chunk_map(manifest_id)
+    packed = store.packed_map(manifest_id)
     out = Path(out)
     if out.is_dir():
         raise InvalidInput(f"{out}: is a directory; give the output file's path")
@@ -80,7 +81,7 @@ def export_image(
     try:
 
         def fetch(digest: str) -> tuple[str, bytes]:
-            return digest, store.read_chunk(digest)
+            return digest, store.read_chunk(digest, packed.get(digest))
 
         os.ftruncate(fd, top.size)
         done = 0

@@ -1,4 +1,4 @@
-"""Garbage collection: delete chunks and layer manifests nothing can reach.
+"""Garbage collection: delete chunks, packs and layer manifests nothing can reach.
 
 Roots are every ref, every template and every snapshot manifest (snapshots
 are deleted explicitly: `DELETE /snapshots/{id}`, or a paused sandbox's
@@ -40,11 +40,12 @@ from .errors import NotFound, StrataError
 from .lease import GcLock, expired_leases, live_leases, store_now
 from .nodes import cluster_roots
 from .manifest import MANIFEST_PREFIX, manifest_key
+from .pack import PACK_PREFIX, pack_key
 from .reach import Closure, Name
 from .store import PARTIAL_PREFIX, PREFETCH_PREFIX, Store
 
 CANDIDATES = "gc/candidates"
-SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX)
+SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX, PACK_PREFIX)
 SIDE_PREFIXES = (PREFETCH_PREFIX, PARTIAL_PREFIX)  # per-manifest objects deleted with their manifest
 DEFAULT_GRACE = 24 * 3600.0
 DELETE_BATCH = 1000  # keys per delete_many (S3's DeleteObjects limit)
@@ -110,6 +111,7 @@ def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str]]
             pass
     keys = {manifest_key(m) for m in closure.layers}
     keys |= {chunk_key(d) for d in closure.chunks}
+    keys |= {pack_key(p) for p in closure.packs}
     return keys, damage
 
 

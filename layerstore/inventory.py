@@ -117,13 +117,9 @@ def inspect_snapshot(store: Store, snapshot_id: str, *, node_users: Mapping[str,
             parent = store.get_snapshot(parent).parent
         except NotFound:
             break
-    layers, every = [], set()
-    for role, layer_id in sorted(snap.layers.items()):
-        layer, chunk_map = store.chunk_map(layer_id)
-        digests = set(chunk_map.values())
-        every |= digests
-        layers.append(LayerSummary(role, layer_id, layer.size, sum(store.stored_sizes(digests).values())))
-    return SnapshotDetail(snapshot_id, parents, layers, sum(store.stored_sizes(every).values()), dict(snap.vm),
+    layers = [LayerSummary(role, layer_id, store.get_layer(layer_id).size, store.stored_bytes([layer_id])[0])
+              for role, layer_id in sorted(snap.layers.items())]
+    return SnapshotDetail(snapshot_id, parents, layers, store.stored_bytes(snap.layers.values())[0], dict(snap.vm),
                           dict(snap.annotations), snapshot_users(store, node_users).get(snapshot_id, []))
 
 

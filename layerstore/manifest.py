@@ -14,10 +14,19 @@ Stored at `manifests/<id>` as canonical JSON (sorted keys, no spaces, UTF-8):
       "chunk_size": 1048576,                     power of two, 64 KiB .. 16 MiB
       "chunks": [[0, "af13..."], [7, null], ...] ascending unique indices
       "kind": "layer",
+      "packed": [[0, "b7c1..." | null, "5e0d...", 0, 9120], ...]
+                                                 optional: chunks stored in a pack
       "parent": "9c2e..." | null,                manifest id of the layer below
       "size": 68719476736,                       logical bytes
       "v": 1
     }
+
+A `packed` entry `[index, base, pack, offset, length]` says chunk `index`
+(whose digest `chunks` still names) is not an object of its own: it is
+rebuilt from bytes [offset, offset+length) of `packs/<pack>` laid over the
+whole chunk `base` (zeros if null), then checked against its digest
+(layerstore/pack.py). Everything that needs a layer's objects (GC, push,
+verify, a restore's completeness check) asks `Layer.needs()`.
 
 The manifest id is the blake3-256 of exactly those bytes, so two imports of
 the same content produce the same id, and a fetched manifest is verified by
@@ -28,9 +37,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from .chunk import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from .pack import MAX_ENTRY
 from .digest import check_digest, digest_bytes, is_digest
 from .errors import CorruptObject, InvalidInput
 
@@ -80,15 +90,32 @@ def manifest_key(manifest_id: str) -> str:
     return f"{MANIFEST_PREFIX}{manifest_id}"
 
 
+class Packed(NamedTuple):
+    """Where a packed chunk is: its base chunk (None: zeros) and its entry in a pack."""
+
+    base: str | None
+    pack: str
+    offset: int
+    length: int
+
+
 @dataclass(frozen=True)
 class Layer:
-    """One layer manifest. `chunks` maps index -> digest, or None for a whiteout."""
+    """One layer manifest. `chunks` maps index -> digest, or None for a
+    whiteout; `packed` says which of those chunks live in packs, and where."""
 
     size: int
     chunk_size: int
     chunks: Mapping[int, str | None]
     parent: str | None = None
     annotations: Mapping[str, str] = field(default_factory=dict)
+    packed: Mapping[int, Packed] = field(default_factory=dict)
+
+    def needs(self) -> tuple[set[str], set[str]]:
+        """The chunk objects and the packs this layer (not its parents) reads from."""
+        chunks = {d for i, d in self.chunks.items() if d is not None and i not in self.packed}
+        chunks |= {p.base for p in self.packed.values() if p.base is not None}
+        return chunks, {p.pack for p in self.packed.values()}
 
     @property
     def chunk_count(self) -> int:
@@ -108,6 +135,8 @@ class Layer:
         }
         if self.annotations:
             body["annotations"] = dict(self.annotations)
+        if self.packed:
+            body["packed"] = [[i, *self.packed[i]] for i in sorted(self.packed)]
         return canonical_json(body)
 
     def manifest_id(self) -> str:
@@ -129,7 +158,23 @@ def _validate(layer: Layer) -> None:
             raise InvalidInput(f"chunk {index}: malformed digest {str(digest)[:80]!r}")
         if digest is None and layer.parent is None:
             raise InvalidInput(f"chunk {index}: whiteout in a layer without a parent")
+    for index, where in layer.packed.items():
+        _check_packed(layer, index, where)
     check_annotations(layer.annotations)
+
+
+def _check_packed(layer: Layer, index: int, where: Packed) -> None:
+    if not isinstance(index, int) or layer.chunks.get(index) is None:
+        raise InvalidInput(f"packed entry {index!r} names no chunk of the layer")
+    if not isinstance(where, Packed):
+        raise InvalidInput(f"packed entry {index}: not a [base, pack, offset, length] entry")
+    if where.base is not None and not is_digest(where.base):
+        raise InvalidInput(f"packed entry {index}: malformed base digest {str(where.base)[:80]!r}")
+    if not is_digest(where.pack):
+        raise InvalidInput(f"packed entry {index}: malformed pack id {str(where.pack)[:80]!r}")
+    for name, value, top in (("offset", where.offset, MAX_SIZE), ("length", where.length, MAX_ENTRY)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
+            raise InvalidInput(f"packed entry {index}: {name} {value!r} out of range")
 
 
 def parse_manifest(manifest_id: str, blob: bytes) -> Layer:
@@ -143,7 +188,7 @@ def parse_manifest(manifest_id: str, blob: bytes) -> Layer:
             raise ValueError(f"unsupported format version {body.get('v')!r}")
         if body.get("kind") != "layer":
             raise ValueError(f"unknown manifest kind {body.get('kind')!r}")
-        extra = set(body) - {"v", "kind", "size", "chunk_size", "parent", "chunks", "annotations"}
+        extra = set(body) - {"v", "kind", "size", "chunk_size", "parent", "chunks", "annotations", "packed"}
         if extra:
             raise ValueError(f"unknown fields {sorted(extra)}")
         entries = body["chunks"]
@@ -165,11 +210,40 @@ def parse_manifest(manifest_id: str, blob: bytes) -> Layer:
             chunks=chunks,
             parent=body["parent"],
             annotations=body.get("annotations", {}),
+            packed=_parse_packed(body["packed"]) if "packed" in body else {},
         )
         _validate(layer)
     except (ValueError, KeyError, TypeError, InvalidInput) as exc:
         raise CorruptObject(f"manifest {manifest_id}: malformed ({exc})") from None
     return layer
+
+
+def _parse_packed(entries: object) -> dict[int, Packed]:
+    if not isinstance(entries, list) or not entries:
+        raise ValueError("packed is not a non-empty list")
+    packed: dict[int, Packed] = {}
+    previous = -1
+    for entry in entries:
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise ValueError("packed entry is not [index, base, pack, offset, length]")
+        index = entry[0]
+        if not isinstance(index, int) or index <= previous:
+            raise ValueError("packed indices are not ascending integers")
+        previous = index
+        packed[index] = Packed(*entry[1:])
+    return packed
+
+
+def flatten_packed(stack: list[Layer]) -> dict[str, Packed]:
+    """Where the packed chunks of a stack (top first) are, by digest: any
+    layer's entry for a digest rebuilds it (a live top keeps every layer
+    below it, and what each needs, from GC)."""
+    where: dict[str, Packed] = {}
+    for layer in reversed(stack):
+        for index, digest in layer.chunks.items():
+            if digest is not None and index in layer.packed:
+                where[digest] = layer.packed[index]
+    return where
 
 
 def flatten(stack: list[Layer]) -> dict[int, str]:

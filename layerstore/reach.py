@@ -5,7 +5,8 @@ template name. What it needs, its closure, is:
 
     snapshot -> its parent snapshots, and the layers of each
                 (disk, memory, state, kernel, initrd)
-    layer    -> its parent layers, and the chunks each names
+    layer    -> its parent layers, and the chunks and packs each needs
+                (a packed chunk: its pack and its base chunk)
     template -> the image or snapshot it names
 
 Push and pull copy a closure (chunks, then layers parents first, then
@@ -50,11 +51,12 @@ def parse_name(text: str) -> Name:
 
 @dataclass
 class Closure:
-    """Manifests in publication order (parents first) and the chunk set."""
+    """Manifests in publication order (parents first), the chunk and pack sets."""
 
     layers: list[str] = field(default_factory=list)
     snapshots: list[str] = field(default_factory=list)
     chunks: set[str] = field(default_factory=set)
+    packs: set[str] = field(default_factory=set)
     missing: list[str] = field(default_factory=list)  # objects a root names that are gone
 
     def add_layer(self, store: Store, layer_id: str, *, strict: bool) -> None:
@@ -72,7 +74,9 @@ class Closure:
                 break
             chain.append(current)
             self._seen_layers.add(current)
-            self.chunks.update(d for d in layer.chunks.values() if d is not None)
+            chunks, packs = layer.needs()
+            self.chunks |= chunks
+            self.packs |= packs
             current = layer.parent
         self.layers.extend(reversed(chain))
 

@@ -15,7 +15,8 @@ squashed layer:
 
 It maps every index the stack resolves (whiteouts and holes stay holes),
 names chunks already stored (nothing is read, copied or recompressed: only
-a manifest is written), and reads back byte for byte as the stack did. The
+a manifest is written; a packed chunk keeps its pack entry), and reads back
+byte for byte as the stack did. The
 old layers stay while anything names them; GC reclaims what only they held.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .manifest import Layer, flatten
+from .manifest import Layer, flatten, flatten_packed
 from .store import Store
 
 
@@ -42,6 +43,8 @@ def squash(store: Store, manifest_id: str, *, annotations: Mapping[str, str] | N
     if len(layers) == 1:
         return manifest_id
     top = layers[0]
-    squashed = Layer(size=top.size, chunk_size=top.chunk_size, chunks=flatten(layers), parent=None,
-                     annotations={**top.annotations, **(annotations or {}), "squashed": str(len(layers))})
+    chunks, where = flatten(layers), flatten_packed(layers)
+    squashed = Layer(size=top.size, chunk_size=top.chunk_size, chunks=chunks, parent=None,
+                     annotations={**top.annotations, **(annotations or {}), "squashed": str(len(layers))},
+                     packed={i: where[d] for i, d in chunks.items() if d in where})
     return store.put_layer(squashed, read_through=True)

@@ -4,15 +4,16 @@
 order that keeps readers safe:
 
     chunks/<aa>/<digest>    zstd frame of a chunk (layerstore/chunk.py)
+    packs/<id>              chunks stored as the pages they change (layerstore/pack.py)
     manifests/<id>          canonical layer manifest (layerstore/manifest.py)
     snapshots/<id>          canonical snapshot manifest (layerstore/snapshot.py)
     refs/<name>/<tag>       {"manifest": id, ...} (layerstore/refs.py)
     templates/<name>        template (layerstore/templates.py)
     prefetch/<manifest id>  JSON list of chunk indices a sandbox reads first
 
-1. chunks are put (durable when `put` returns);
-2. a manifest is put only after the backend confirms every chunk it names,
-   and its parent manifest, exist in this store (a manifests-only pull
+1. chunks and packs are put (durable when `put` returns);
+2. a manifest is put only after the backend confirms every chunk and pack it
+   needs, and its parent manifest, exist in this store (a manifests-only pull
    alone accepts chunks its read path can serve, see `put_layer`);
 3. a ref is put only after its manifest exists.
 
@@ -55,7 +56,8 @@ from .chunk import CHUNK_PREFIX, DEFAULT_LEVEL, MAX_CHUNK_SIZE, chunk_key, decod
 from .digest import check_digest, digest_bytes
 from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound
 from .localdir import LocalDirBackend
-from .manifest import MAX_STACK_DEPTH, Layer, flatten, manifest_key, parse_manifest
+from .manifest import MAX_STACK_DEPTH, Layer, Packed, flatten, flatten_packed, manifest_key, parse_manifest
+from .pack import PackCache, PackWriter, decode_entry, pack_key
 from .readthrough import Fallback, ReadThroughBackend
 from .refs import REF_PREFIX, Ref, decode_ref_owner, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
@@ -63,6 +65,7 @@ from .templates import Template, parse_template, template_key
 
 PREFETCH_PREFIX = "prefetch/"
 PARTIAL_PREFIX = "partial/"  # a manifest published by a manifests-only pull: some chunks it names are elsewhere
+PACK_CACHE = 64 << 20  # bytes of recently read packs a Store keeps (pack.PackCache)
 
 
 def _prefetch_key(manifest_id: str) -> str:
@@ -103,6 +106,7 @@ class Store:
         self.catalog = catalog
         self.level = level
         self.read_path = read_path or chunk_read_path(backend)
+        self.packs = PackCache(PACK_CACHE)
 
     def reap_tmp(self) -> int:
         """Remove temp files that writers which crashed left in a local store
@@ -135,13 +139,51 @@ class Store:
         self.close()
 
     # chunks -------------------------------------------------------------------
-    def read_chunk(self, digest: str) -> bytes:
-        """Fetch, decompress and verify one chunk through the read path. Raises MissingChunk / CorruptObject."""
+    def read_chunk(self, digest: str, via: Packed | None = None) -> bytes:
+        """Fetch, decompress and verify one chunk: its own object through the
+        read path, or, `via` a layer's packed entry, rebuilt from its pack
+        (this store's) and base. Raises MissingChunk / CorruptObject.
+
+        A pack is read whole: packs hold a seal's changed pages, not images."""
+        if via is not None:
+            blob = self._pack(via.pack)
+            if blob is not None:
+                base = self.read_chunk(via.base) if via.base is not None else None
+                try:
+                    return decode_entry(digest, blob[via.offset:via.offset + via.length], base)
+                except CorruptObject:
+                    self.packs.drop(via.pack)
+                    raise
         try:
             blob = self.read_path.get(chunk_key(digest))
         except NotFound:
-            raise MissingChunk(f"chunk {digest} is missing from {self.describe_read_path()}") from None
+            packed = f" (or pack {via.pack})" if via is not None else ""
+            raise MissingChunk(f"chunk {digest}{packed} is missing from {self.describe_read_path()}") from None
         return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
+
+    def _pack(self, pack_id: str) -> bytes | None:
+        """A pack's bytes (recently read ones from memory), None if it is not stored."""
+        blob = self.packs.get(pack_id)
+        if blob is None:
+            try:
+                blob = self.backend.get(pack_key(pack_id))
+            except NotFound:  # the same content may still be stored whole
+                return None
+            self.packs.put(pack_id, blob)
+        return blob
+
+    def put_pack(self, writer: PackWriter) -> str:
+        """Store a built pack (durable on return); its id."""
+        blob = writer.blob()
+        pack_id = writer.pack_id()
+        self.backend.put(pack_key(pack_id), blob)
+        return pack_id
+
+    def missing_packs(self, pack_ids: Iterable[str]) -> set[str]:
+        """The packs among `pack_ids` this store lacks (packs are always a store's own)."""
+        wanted = {pack_key(p): p for p in pack_ids}
+        present = self.backend.has_many(wanted)
+        return {p for k, p in wanted.items() if k not in present}
 
     def write_chunk(self, digest: str, data: bytes | memoryview, *, level: int | None = None) -> int:
         """Compress and store a chunk whose digest the caller computed; returns stored bytes."""
@@ -212,6 +254,19 @@ class Store:
         layers = self.stack(manifest_id)
         return layers[0], flatten(layers)
 
+    def packed_map(self, manifest_id: str) -> dict[str, Packed]:
+        """Where the packed chunks of a layer stack are, by digest (for `read_chunk`)."""
+        return flatten_packed(self.stack(manifest_id))
+
+    def read_needs(self, manifest_id: str) -> tuple[set[str], set[str]]:
+        """The chunk objects and packs that reading a layer stack takes (what a
+        higher layer shadows is not needed)."""
+        layers = self.stack(manifest_id)
+        resolved, packed = set(flatten(layers).values()), flatten_packed(layers)
+        chunks = {d for d in resolved if d not in packed}
+        chunks |= {packed[d].base for d in resolved if d in packed and packed[d].base is not None}  # type: ignore[misc]
+        return chunks, {packed[d].pack for d in resolved if d in packed}
+
     def has_layer(self, manifest_id: str) -> bool:
         """True if this store holds the manifest (the backend asked, not the catalog)."""
         return self.backend.stat(manifest_key(manifest_id)) is not None
@@ -225,9 +280,13 @@ class Store:
         """
         blob = layer.encode()
         manifest_id = layer.manifest_id()
-        digests = {d for d in layer.chunks.values() if d is not None}
+        digests, packs = layer.needs()
         elsewhere = self.local_missing_chunks(digests)
         missing = self.missing_chunks(elsewhere) if read_through else elsewhere
+        lost_packs = self.missing_packs(packs)
+        if lost_packs:
+            raise MissingChunk(f"refusing to publish manifest {manifest_id}: {len(lost_packs)} pack(s) it names are "
+                               f"missing from {self.describe()} (e.g. {sorted(lost_packs)[0]})")
         if missing:
             example = sorted(missing)[0]
             where = self.describe_read_path() if read_through else self.describe()
@@ -392,6 +451,20 @@ class Store:
         return sorted(out)
 
     # stats --------------------------------------------------------------------
+    def stored_bytes(self, manifest_ids: Iterable[str]) -> tuple[int, int]:
+        """(stored bytes, objects missing) of what reading these layer stacks
+        takes: each chunk object and pack counted once."""
+        chunks: set[str] = set()
+        packs: set[str] = set()
+        for manifest_id in manifest_ids:
+            more_chunks, more_packs = self.read_needs(manifest_id)
+            chunks |= more_chunks
+            packs |= more_packs
+        sizes = self.stored_sizes(chunks)
+        pack_sizes = [self.backend.stat(pack_key(p)) for p in sorted(packs)]
+        found = [s for s in pack_sizes if s is not None]
+        return sum(sizes.values()) + sum(found), len(chunks) - len(sizes) + len(packs) - len(found)
+
     def stored_sizes(self, digests: Iterable[str]) -> dict[str, int]:
         """Stored (compressed) bytes per chunk: catalog first, backend HEAD for the rest."""
         digests = list(digests)
@@ -454,7 +527,7 @@ def inspect_image(store: Store, ref: Ref | str) -> ImageInfo:
     top = layers[0]
     resolved = flatten(layers)
     unique = set(resolved.values())
-    sizes = store.stored_sizes(unique)
+    stored, missing = store.stored_bytes([manifest_id])
     last = top.chunk_count - 1
     tail = top.size - last * top.chunk_size if top.size else 0
     logical = sum(tail if i == last else top.chunk_size for i in resolved)
@@ -469,8 +542,8 @@ def inspect_image(store: Store, ref: Ref | str) -> ImageInfo:
         hole_chunks=top.chunk_count - len(resolved),
         unique_chunks=len(unique),
         logical_bytes=logical,
-        stored_bytes=sum(sizes.values()),
-        missing_chunks=len(unique) - len(sizes),
+        stored_bytes=stored,
+        missing_chunks=missing,
         annotations=top.annotations,
     )
 

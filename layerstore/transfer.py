@@ -5,6 +5,8 @@
     2. the chunks the destination lacks: one batched existence check, then
        bounded parallel copies, each verified against its digest before it
        is written (a corrupt source chunk stops the copy; nothing names it);
+       packs likewise, always, even without chunks (a pack holds a seal's
+       changed pages and is read only from the store that has the layer);
     3. layer manifests, parents first, then snapshot manifests, parents
        first (each refused by the destination if anything it names is
        missing);
@@ -27,8 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .chunk import MAX_CHUNK_SIZE, chunk_key, decode_chunk
-from .errors import MissingChunk, NotFound
+from .digest import digest_bytes
+from .errors import CorruptObject, MissingChunk, NotFound
 from .lease import Lease
+from .pack import pack_key
 from .reach import Closure, parse_name
 from .store import Store
 from .templates import Template
@@ -69,7 +73,7 @@ def copy(
     name = parse_name(name_text)
     closure = Closure()
     published = closure.add(src, name, strict=True)
-    wanted = closure.chunks
+    wanted, packs = closure.chunks, closure.packs
     prefetch_lists: dict[str, list[int]] = {}
     if not chunks and prefetch:
         wanted, prefetch_lists = _prefetch_set(src, closure)
@@ -83,8 +87,8 @@ def copy(
             # chunks of the complete layers the destination has are there. Only the other layers'
             # chunks need an existence check (an incremental push asks about the changed chunks).
             complete = published_layers - partial
-            wanted = {d for m in closure.layers if m not in complete
-                      for d in src.get_layer(m).chunks.values() if d is not None}
+            wanted = {d for m in closure.layers if m not in complete for d in src.get_layer(m).needs()[0]}
+        sent_bytes += _copy_packs(src, dst, dst.missing_packs(packs))
         if chunks or prefetch:
             missing = sorted(dst.local_missing_chunks(wanted))
             if on_total is not None:
@@ -125,8 +129,24 @@ def copy(
                           time.monotonic() - started)
 
 
+def _copy_packs(src: Store, dst: Store, packs: set[str]) -> int:
+    """Copy `packs` (each checked against its id first); the bytes sent."""
+    sent = 0
+    for pack_id in sorted(packs):
+        try:
+            blob = src.backend.get(pack_key(pack_id))
+        except NotFound:
+            raise MissingChunk(f"pack {pack_id} is missing from {src.describe()}") from None
+        if digest_bytes(blob) != pack_id:
+            raise CorruptObject(f"pack {pack_id} in {src.describe()}: content hashes to something else")
+        dst.backend.put(pack_key(pack_id), blob)
+        sent += len(blob)
+    return sent
+
+
 def _prefetch_set(src: Store, closure: Closure) -> tuple[set[str], dict[str, list[int]]]:
-    """Chunks named by the prefetch lists recorded for the closure's layers, and the lists."""
+    """Chunk objects the prefetch lists recorded for the closure's layers read
+    (a packed chunk's base), and the lists."""
     wanted: set[str] = set()
     lists: dict[str, list[int]] = {}
     for layer_id in closure.layers:
@@ -134,6 +154,10 @@ def _prefetch_set(src: Store, closure: Closure) -> tuple[set[str], dict[str, lis
         if indices is None:
             continue
         chunk_map = src.chunk_map(layer_id)[1]
-        wanted.update(chunk_map[i] for i in indices if i in chunk_map)
+        packed = src.packed_map(layer_id)
+        for digest in (chunk_map[i] for i in indices if i in chunk_map):
+            base = packed[digest].base if digest in packed else digest
+            if base is not None:
+                wanted.add(base)
         lists[layer_id] = indices
     return wanted, lists

@@ -1,5 +1,6 @@
 """Verify a store: every manifest parses, every ref resolves, every chunk
-re-hashes to its name, and every chunk a manifest names is present.
+and pack re-hashes to its name, every chunk and pack a manifest needs is
+present, and every packed chunk rebuilds to its digest.
 
 Verification only reads. Problems are collected, not raised, so one run
 reports all of them; the CLI exits non-zero if any were found.
@@ -13,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .chunk import CHUNK_PREFIX, chunk_key, decode_chunk
-from .digest import is_digest
+from .digest import digest_bytes, is_digest
 from .errors import CorruptObject, NotFound, StrataError
 from .manifest import MANIFEST_PREFIX, Layer, parse_manifest
+from .pack import PACK_PREFIX, pack_key
 from .refs import REF_PREFIX, decode_ref_target, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, is_snapshot_key, parse_snapshot
 from .store import Store
@@ -109,9 +111,8 @@ def verify_store(
 
     named: dict[str, str] = {}
     for manifest_id, layer in layers.items():
-        for digest in layer.chunks.values():
-            if digest is not None:
-                named.setdefault(digest, manifest_id)
+        for digest in sorted(layer.needs()[0]):
+            named.setdefault(digest, manifest_id)
     present: dict[str, int] = {}
     for key, size, _ in backend.list(CHUNK_PREFIX):
         digest = key.rsplit("/", 1)[-1]
@@ -143,9 +144,38 @@ def verify_store(
         if digest not in present:
             report.missing_chunks.append((digest, manifest_id))
             report.errors.append(f"chunk {digest} named by manifest {manifest_id} is missing")
+    _verify_packs(store, layers, report)
     report.referenced_chunks = len(named)
     report.unreferenced_chunks = len(set(present) - set(named))
     report.errors[:0] = report.bad_manifests + report.bad_refs
     if report.corrupt_chunks:
         store.catalog.forget_chunks(d for d in report.corrupt_chunks if is_digest(d))
     return report
+
+
+def _verify_packs(store: Store, layers: dict[str, Layer], report: VerifyReport) -> None:
+    """Every pack re-hashes to its id, and every packed chunk rebuilds from
+    its pack and base to its digest (its base, a chunk object, is checked
+    with the chunks)."""
+    present = {key.rsplit("/", 1)[-1] for key, _size, _ in store.backend.list(PACK_PREFIX)}
+    for pack_id in sorted(present):
+        try:
+            ok = is_digest(pack_id) and digest_bytes(store.backend.get(pack_key(pack_id))) == pack_id
+        except (StrataError, NotFound) as exc:
+            report.errors.append(f"pack {pack_id}: {exc}")
+            ok = False
+        if not ok:
+            report.corrupt_chunks.append(f"{PACK_PREFIX}{pack_id}")
+            report.errors.append(f"pack {pack_id} is corrupt (its content hashes to something else)")
+    for manifest_id, layer in sorted(layers.items()):
+        for index, where in sorted(layer.packed.items()):
+            digest = str(layer.chunks[index])
+            if where.pack not in present:
+                report.missing_chunks.append((f"{PACK_PREFIX}{where.pack}", manifest_id))
+                report.errors.append(f"pack {where.pack} named by manifest {manifest_id} is missing")
+                continue
+            try:
+                store.read_chunk(digest, where)
+            except StrataError as exc:
+                report.corrupt_chunks.append(digest)
+                report.errors.append(str(exc))

@@ -96,6 +96,19 @@ def test_lazy_reads_fetch_only_what_is_read(mount: Mount) -> None:
     assert "lazy:v1" in os.listdir(mount.mnt / "images")
 
 
+def test_a_packed_layer_reads_through_the_mount_rebuilt_and_verified(mount: Mount) -> None:
+    from layerstore.store import open_store
+    from tests.test_pack import packed_image
+
+    with open_store(str(mount.tmp / "store")) as store:
+        content, _base, _pack = packed_image(store, "packed:v1")
+    mount.start()
+    with open(mount.image("packed:v1"), "rb", buffering=0) as f:
+        assert os.pread(f.fileno(), 8192, 4096) == content[4096:12288]  # a changed page of chunk 0
+        assert f.read() == content
+    assert mount.stats()["backend_fetches"] == 3  # each chunk once (a packed one's base is part of its fetch)
+
+
 def test_read_ahead_is_one_chunk_once_the_mount_says_it_is_ready(mount: Mount) -> None:
     """A restore that starts the moment the mount is up reads its kernel at
     the mount's read-ahead: it must be set before `strata mount` returns,

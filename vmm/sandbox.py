@@ -632,12 +632,15 @@ class Sandboxes:
         turns that into a clear error before anything starts.
         """
         digests: set[str] = set()
+        packs: set[str] = set()
         for layer_id in snap.layer_ids():
-            digests.update(self.store.chunk_map(layer_id)[1].values())
-        missing = self.store.missing_chunks(digests)
+            chunks, more = self.store.read_needs(layer_id)
+            digests |= chunks
+            packs |= more
+        missing = self.store.missing_chunks(digests) | {f"pack {p}" for p in self.store.missing_packs(packs)}
         if missing:
             raise MissingChunk(
-                f"snapshot {snapshot_id} cannot be restored: {len(missing)} chunk(s) missing from "
+                f"snapshot {snapshot_id} cannot be restored: {len(missing)} chunk(s) or pack(s) missing from "
                 f"{self.store.describe()} (e.g. {sorted(missing)[0]})"
             )
 

@@ -1,0 +1,181 @@
+"""Delta layers: a sandbox's changed chunks published over their parent
+stack, each stored as the pages that changed, all in one pack.
+
+A seal (fusefs/upper.py) freezes the chunks a sandbox wrote since its last
+one; a VM snapshot's RAM changes a few pages in each of tens of chunks.
+Stored as whole chunks (importer.py with `slots`) that is one object and a
+MiB per chunk; here it is one pack (layerstore/pack.py) for the lot:
+
+    for each dirty index i, with D the chunk's digest and P the parent's chunk at i:
+      all zeros           -> a whiteout (if the parent had data), else nothing
+      D == P              -> nothing: the parent's chunk stays
+      mostly changed      -> a whole chunk object, as an import stores it
+      else                -> an entry in the pack over the base: P itself, or,
+                             if P is packed, P's own base (chains stay one deep)
+
+then the pack is put, then the manifest (`chunks` names every D; `packed`
+says where the packed ones are). Base bytes come from `read_base` (the
+mount's chunk fetcher: cache or memory, the store only if it must).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import blake3
+
+from .chunk import encode_chunk
+from .importer import ImportResult, _indices, _open_image
+from .lease import Lease
+from .manifest import Layer, Packed
+from .pack import PAGE, PackWriter, changed_pages, encode_entry
+from .store import Store
+
+WHOLE_SHARE = 0.5  # a chunk with more of its pages changed is stored whole
+PACK_BUDGET = 32 << 20  # past this many packed bytes, further chunks are stored whole (packs are read whole)
+
+
+class _Chunk(NamedTuple):
+    """What one dirty index becomes: digest None = zeros; `whole` = stored as
+    its own object (`stored` bytes put); `entry` = packed over `base`;
+    neither = the parent's chunk, or the same content packed below."""
+
+    index: int
+    digest: str | None
+    whole: bool = False
+    stored: int = 0
+    base: str | None = None
+    entry: bytes | None = None
+
+
+def publish_delta(
+    store: Store,
+    path: str | Path,
+    *,
+    parent: str,
+    slots: list[int],
+    read_base: Callable[[str], bytes],
+    annotations: Mapping[str, str] | None = None,
+    whole_share: float = WHOLE_SHARE,
+    workers: int = 4,
+) -> ImportResult:
+    """Publish the chunks `slots` of the file at `path` as a layer over
+    `parent`, changed pages packed (see the module docstring)."""
+    started = time.monotonic()
+    top, parent_map = store.chunk_map(parent)
+    fd, size = _open_image(Path(path))
+    try:
+        planner = _Planner(store, fd, size, top.chunk_size, parent_map, store.packed_map(parent), read_base,
+                           whole_share=whole_share)
+        result = ImportResult(manifest_id="", ref=None, size=size, chunk_size=top.chunk_size, parent=parent)
+        with Lease(store.backend, f"seal {Path(path).name}") as lease:
+            indices = _indices(fd, size, top.chunk_size, slots)
+            planner.find_bases(indices)
+            with ThreadPoolExecutor(max(1, workers), thread_name_prefix="strata-delta") as pool:
+                planned = list(pool.map(planner.plan, indices))
+            chunks, packed = _store(store, planned, parent_map, planner.parent_packed, result)
+            lease.check()
+            result.manifest_id = store.put_layer(Layer(size=size, chunk_size=top.chunk_size, chunks=chunks,
+                                                       parent=parent, annotations=dict(annotations or {}),
+                                                       packed=packed))
+    finally:
+        os.close(fd)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+class _Planner:
+    """Decides, chunk by chunk (on several threads), how a dirty index is stored."""
+
+    def __init__(self, store: Store, fd: int, size: int, chunk_size: int, parent_map: dict[int, str],
+                 parent_packed: dict[str, Packed], read_base: Callable[[str], bytes], *, whole_share: float) -> None:
+        self.store, self.fd, self.size, self.cs = store, fd, size, chunk_size
+        self.parent_map, self.parent_packed, self.read_base = parent_map, parent_packed, read_base
+        self.whole_share = whole_share
+        self.zero = bytes(chunk_size)
+        self.bases: dict[int, str | None] = {}
+        self.usable: set[str] = set()
+        self._budget = PACK_BUDGET
+        self._lock = threading.Lock()
+
+    def find_bases(self, indices: list[int]) -> None:
+        """Each index's base: the parent's chunk, or its base if that one is
+        packed (None: zeros). One only the read path has (a lazy pull's)
+        cannot be named by a layer of this store: those chunks go whole."""
+        for index in indices:
+            below = self.parent_map.get(index)
+            self.bases[index] = self.parent_packed[below].base if below in self.parent_packed else below
+        wanted = {b for b in self.bases.values() if b is not None}
+        self.usable = wanted - self.store.local_missing_chunks(wanted)
+
+    def plan(self, index: int) -> _Chunk:
+        data = os.pread(self.fd, min(self.cs, self.size - index * self.cs), index * self.cs)
+        if data == self.zero[:len(data)]:
+            return _Chunk(index, None)
+        digest = blake3.blake3(data).hexdigest()
+        if digest == self.parent_map.get(index) or digest in self.parent_packed:
+            return _Chunk(index, digest)
+        base = self.bases[index]
+        entry = self._entry(data, base) if base is None or base in self.usable else None
+        if entry is not None:
+            return _Chunk(index, digest, base=base, entry=entry)
+        return _Chunk(index, digest, whole=True, stored=_put_whole(self.store, digest, data))
+
+    def _entry(self, data: bytes, base: str | None) -> bytes | None:
+        """`data` as an entry over `base`, or None if it is better stored whole
+        (mostly changed, a base of another length, the pack full)."""
+        base_bytes = self.read_base(base) if base is not None else None
+        if base_bytes is not None and len(base_bytes) != len(data):
+            return None
+        if len(changed_pages(data, base_bytes)) > self.whole_share * -(-len(data) // PAGE):
+            return None
+        entry = encode_entry(data, base_bytes, level=self.store.level)
+        with self._lock:
+            self._budget -= len(entry)
+            return entry if self._budget >= 0 else None
+
+
+def _store(store: Store, planned: list[_Chunk], parent_map: dict[int, str], parent_packed: dict[str, Packed],
+           result: ImportResult) -> tuple[dict[int, str | None], dict[int, Packed]]:
+    """Put the pack; the layer's `chunks` and `packed` (whole chunks are stored already)."""
+    result.new_chunks = sum(1 for c in planned if c.stored)
+    result.new_stored_bytes = sum(c.stored for c in planned)
+    chunks: dict[int, str | None] = {}
+    packed: dict[int, Packed] = {}
+    writer = PackWriter()
+    entries: list[tuple[int, str | None, tuple[int, int]]] = []
+    for c in planned:
+        if c.digest is None:
+            if c.index in parent_map:
+                chunks[c.index] = None  # a whiteout: the parent had data here
+        elif c.digest == parent_map.get(c.index):
+            continue  # unchanged: the parent's chunk stays
+        else:
+            chunks[c.index] = c.digest
+            if c.entry is not None:
+                entries.append((c.index, c.base, writer.add_entry(c.entry)))
+            elif not c.whole:  # the same content is packed below: its entry serves
+                packed[c.index] = parent_packed[c.digest]
+    if entries:
+        pack = store.put_pack(writer)
+        result.new_stored_bytes += len(writer)
+        packed.update({index: Packed(base, pack, *at) for index, base, at in entries})
+    result.data_chunks = sum(1 for d in chunks.values() if d is not None)
+    return chunks, packed
+
+
+def _put_whole(store: Store, digest: str, data: bytes) -> int:
+    """Store a chunk as its own object unless the store has it; the bytes put."""
+    if not store.local_missing_chunks([digest]):
+        return 0
+    blob = encode_chunk(data, level=store.level)
+    store.put_chunk_object(digest, blob)
+    store.catalog.add_chunks([(digest, len(blob), len(data))])
+    return len(blob)
+

@@ -1,0 +1,174 @@
+"""Packs: many chunks stored as one object, each as the pages it changes.
+
+A VM snapshot changes a few pages in each of many chunks. Stored as whole
+chunk objects, that is one object per chunk: on the local store two fsyncs
+each, and a whole MiB written for a few KiB of change. A pack holds the
+seal's chunks in one object, each as the pages that differ from a *base*:
+
+    packs/<blake3 of the object>      entries, one after another
+      entry = one zstd frame (content size in its header) of
+          <u32 little-endian: the chunk's length>
+          <bitmap: one bit per PAGE of the chunk, LSB first; 1 = page present>
+          <the present pages, in order (a chunk's short last page is short)>
+
+A chunk stored this way keeps its digest: the layer manifest still names the
+chunk's full content `D` and says where to rebuild it (manifest.py,
+`packed`: base chunk, pack, offset, length). Rebuilding takes the base's
+bytes (zeros if the base is null), lays the present pages over them, and
+is accepted only if the result hashes to `D`, so a corrupt pack, a wrong
+base or a lying manifest yields CorruptObject, never data. A base is always
+a whole chunk object (chains are one step deep): garbage collection keeps
+it, and a push copies it, for as long as a layer names the packed chunk.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import OrderedDict
+
+import zstandard
+
+from .chunk import DEFAULT_LEVEL, MAX_CHUNK_SIZE
+from .digest import check_digest, digest_bytes
+from .errors import CorruptObject
+
+PACK_PREFIX = "packs/"
+PAGE = 4096
+_HEADER = struct.Struct("<I")
+MAX_ENTRY = _HEADER.size + MAX_CHUNK_SIZE // PAGE // 8 + MAX_CHUNK_SIZE  # the largest decoded entry
+
+
+def pack_key(pack_id: str) -> str:
+    """The object key of the pack with this id (validated)."""
+    check_digest(pack_id, what="pack id")
+    return f"{PACK_PREFIX}{pack_id}"
+
+
+def _pages(length: int) -> int:
+    return -(-length // PAGE)
+
+
+def changed_pages(data: bytes, base: bytes | None) -> list[int]:
+    """Indices of the pages where `data` differs from `base` (all-zero pages when base is None)."""
+    zero = bytes(PAGE)
+    out = []
+    for page in range(_pages(len(data))):
+        start = page * PAGE
+        piece = data[start:start + PAGE]
+        if piece != (base[start:start + PAGE] if base is not None else zero[:len(piece)]):
+            out.append(page)
+    return out
+
+
+def encode_entry(data: bytes, base: bytes | None, *, level: int = DEFAULT_LEVEL) -> bytes:
+    """One entry: `data` as the pages that differ from `base` (same length, or None for zeros)."""
+    if base is not None and len(base) != len(data):
+        raise ValueError(f"base is {len(base)} bytes, the chunk {len(data)}")
+    pages = changed_pages(data, base)
+    bitmap = bytearray((_pages(len(data)) + 7) // 8)
+    for page in pages:
+        bitmap[page >> 3] |= 1 << (page & 7)
+    body = b"".join([_HEADER.pack(len(data)), bytes(bitmap), *(data[p * PAGE:(p + 1) * PAGE] for p in pages)])
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(body)
+
+
+def decode_entry(digest: str, frame: bytes, base: bytes | None) -> bytes:
+    """The chunk `digest` rebuilt from its entry and its base's bytes, verified."""
+    what = f"packed chunk {digest}"
+    try:
+        params = zstandard.get_frame_parameters(frame)
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN or params.content_size > MAX_ENTRY:
+            raise CorruptObject(f"{what}: entry frame has no content size or one above {MAX_ENTRY}")
+        body = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_ENTRY)
+    except zstandard.ZstdError as exc:
+        raise CorruptObject(f"{what}: entry is not a valid zstd frame ({exc})") from None
+    if len(body) < _HEADER.size:
+        raise CorruptObject(f"{what}: entry too short")
+    (length,) = _HEADER.unpack_from(body)
+    if length > MAX_CHUNK_SIZE or (base is not None and len(base) != length):
+        raise CorruptObject(f"{what}: entry of {length} bytes does not fit its base")
+    count = _pages(length)
+    bitmap = body[_HEADER.size:_HEADER.size + (count + 7) // 8]
+    out = bytearray(base) if base is not None else bytearray(length)
+    at = _HEADER.size + len(bitmap)
+    for page in range(count):
+        if bitmap[page >> 3] >> (page & 7) & 1:
+            size = min(PAGE, length - page * PAGE)
+            out[page * PAGE:page * PAGE + size] = body[at:at + size]
+            at += size
+    if at != len(body):
+        raise CorruptObject(f"{what}: entry holds {len(body) - at} bytes more or less than its bitmap says")
+    data = bytes(out)
+    actual = digest_bytes(data)
+    if actual != digest:
+        raise CorruptObject(f"{what}: rebuilt content hashes to {actual} (corrupt pack or base)")
+    return data
+
+
+class PackWriter:
+    """Builds one pack: `add` each chunk, then store `blob()` under its digest."""
+
+    def __init__(self, *, level: int = DEFAULT_LEVEL) -> None:
+        self.level = level
+        self._entries: list[bytes] = []
+        self._size = 0
+
+    def add(self, data: bytes, base: bytes | None) -> tuple[int, int]:
+        """Append `data` as its difference from `base`; its (offset, length) in the pack."""
+        return self.add_entry(encode_entry(data, base, level=self.level))
+
+    def add_entry(self, entry: bytes) -> tuple[int, int]:
+        """Append an entry `encode_entry` made; its (offset, length) in the pack."""
+        offset = self._size
+        self._entries.append(entry)
+        self._size += len(entry)
+        return offset, len(entry)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def blob(self) -> bytes:
+        return b"".join(self._entries)
+
+    def pack_id(self) -> str:
+        return digest_bytes(self.blob())
+
+
+class PackCache:
+    """The packs a process read last, up to `capacity` bytes (least recently
+    used out first): a restore reads most entries of a seal's pack, and a
+    pack is fetched whole. Holds bytes as stored; entries are verified when
+    decoded, as ever."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, pack_id: str) -> bytes | None:
+        with self._lock:
+            blob = self._blobs.get(pack_id)
+            if blob is not None:
+                self._blobs.move_to_end(pack_id)
+            return blob
+
+    def put(self, pack_id: str, blob: bytes) -> None:
+        if len(blob) > self.capacity:
+            return
+        with self._lock:
+            if pack_id in self._blobs:
+                return
+            self._blobs[pack_id] = blob
+            self._size += len(blob)
+            while self._size > self.capacity:
+                _old, dropped = self._blobs.popitem(last=False)
+                self._size -= len(dropped)
+
+    def drop(self, pack_id: str) -> None:
+        """Forget a pack (one of its entries failed to decode: read it again next time)."""
+        with self._lock:
+            blob = self._blobs.pop(pack_id, None)
+            if blob is not None:
+                self._size -= len(blob)
