@@ -47,7 +47,7 @@ from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk,
                        Handlers, ListDisks, MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, RecordPrefetch,
                        RemoveDisk, Seal, Sealed, SealState, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, answer,
                        encode_error)
-from .upper import SealTicket, UpperLayer
+from .upper import ChunkReader, SealTicket, UpperLayer
 from .view import LayerView
 
 log = logging.getLogger("strata.fusefs")
@@ -98,9 +98,7 @@ class Catalogue:
             view = self._views.get(manifest_id)
         if view is not None:
             return view
-        top, resolved = self.store.chunk_map(manifest_id)
-        self.fetcher.learn(self.store.packed_map(manifest_id))
-        view = LayerView(self.fetcher, manifest_id, top.size, top.chunk_size, resolved)
+        view = LayerView.of(self.fetcher, manifest_id)
         with self._lock:
             return self._views.setdefault(manifest_id, view)
 
@@ -231,11 +229,10 @@ class Catalogue:
         if dropped:
             log.warning("sandbox %s: discarded %d sealed layer(s) never published (removed)", upper.sid, dropped)
 
-    def _publish(self, upper: UpperLayer, data_path: Path, dirty: list[int], base: str) -> str:
+    def _publish(self, upper: UpperLayer, read_chunk: ChunkReader, dirty: list[int], base: str) -> str:
         # changed pages over the chunks below, in one pack (layerstore/delta.py)
-        result = publish_delta(self.store, data_path, parent=base, slots=dirty, read_base=self.fetcher.read,
-                               annotations={"sandbox": upper.sid})
-        self._keep_sealed(upper, data_path, result.manifest_id, dirty)
+        result = publish_delta(self.store, read_chunk, upper.size, parent=base, slots=dirty,
+                               read_base=self.fetcher.read, keep=self._keeping(), annotations={"sandbox": upper.sid})
         if depth(self.store, result.manifest_id) <= self.squash_depth:
             return result.manifest_id
         try:  # on the seal thread, so in the background of the sandbox that sealed
@@ -244,26 +241,26 @@ class Catalogue:
             log.warning("sandbox %s: squashing its layer stack failed: %s", upper.sid, exc)
             return result.manifest_id
 
-    def _keep_sealed(self, upper: UpperLayer, data_path: Path, manifest_id: str, dirty: list[int]) -> None:
-        """Keep the chunks a seal just stored in memory, in the background:
-        the next seal completes its partial chunks from them, and the
-        snapshot's restores and forks read them, without fetch or decode. The
-        bytes are read now, while the frozen generation's file still exists;
-        at most KEEP_SEALED of them (a VM snapshot's RAM is tens of chunks; a
-        disk sealed under a bulk writer can be hundreds, which memory would
-        not hold anyway)."""
-        chunks = self.store.get_layer(manifest_id).chunks
-        kept = []
-        with open(data_path, "rb") as f:
-            for index in dirty[: KEEP_SEALED // upper.chunk_size]:
-                digest = chunks.get(index)
-                if digest is not None:
-                    kept.append((digest, os.pread(f.fileno(), upper.chunk_size, index * upper.chunk_size)))
-        for digest, data in kept:
+    def _keeping(self) -> Callable[[str, bytes], None]:
+        """What a seal calls with each chunk it stores (as it reads it): keep
+        it in memory, in the background, so the next seal's completions and
+        the snapshot's restores and forks read it without fetch or decode.
+        At most KEEP_SEALED bytes per seal (a VM snapshot's RAM is tens of
+        chunks; a disk sealed under a bulk writer can be hundreds, which
+        memory would not hold anyway)."""
+        room = [KEEP_SEALED]
+        lock = threading.Lock()
+
+        def keep(digest: str, data: bytes) -> None:
+            with lock:
+                room[0] -= len(data)
+                if room[0] < 0:
+                    return
             try:
                 self._keeper.submit(self.fetcher.keep, digest, data)
             except RuntimeError:  # shutting down
-                return
+                pass
+        return keep
 
     def seal(self, sid: str, *, wait: bool = False, timeout: float = 600) -> Sealed:
         upper = self.sandboxes.get(check_sid(sid))

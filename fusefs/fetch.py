@@ -48,6 +48,7 @@ class ChunkFetcher:
         self._fetch = fetch or self._from_store
         self._lock = threading.Lock()
         self._packed: dict[str, Packed] = {}  # where packed chunks are (digest -> pack entry)
+        self._bases: set[str] = set()  # digests some entry is stored over: whole objects
         self._inflight: dict[str, Future[bytes]] = {}
         # Chunks fetched recently, kept whole in memory: the kernel reads a
         # 1 MiB chunk in 128 KiB requests, and all but the first are served
@@ -70,11 +71,15 @@ class ChunkFetcher:
         """Where the packed chunks of a layer being served are (Store.packed_map)."""
         with self._lock:
             self._packed.update(packed)
+            self._bases.update(p.base for p in packed.values() if p.base is not None)
 
     def _from_store(self, digest: str) -> bytes:
+        """A base is always a whole object (pack.py): it is read as one even
+        if some layer also packs the same content, so a rebuild never waits
+        on another rebuild (single flight would deadlock on a cycle)."""
         with self._lock:
-            where = self._packed.get(digest)
-        return self.store.read_chunk(digest, where)
+            where = None if digest in self._bases else self._packed.get(digest)
+        return self.store.read_chunk(digest, where, read_base=self.read)  # the base through the cache
 
     def _remember(self, digest: str, data: bytes) -> None:
         if len(data) > self._memory_cap:

@@ -26,8 +26,10 @@ lower stack. A write of whole 4 KiB pages to a chunk the generation lacks
 only records the pages: no copy-up (a guest's RAM written back at a snapshot
 is hundreds of scattered pages, and copying up each one's 1 MiB chunk cost
 a decode and a 1 MiB write apiece). Any other write to such a chunk first
-completes it from below. A frozen generation's partial chunks are completed
-by the seal's background job, so a published layer holds whole chunks.
+completes it from below. A frozen generation's partial chunks are composed
+over what is below, in memory, by the seal's background job as it publishes
+them: a published layer names whole chunks (stored as their changed pages:
+layerstore/delta.py).
 
 Durability: `fsync` fsyncs the data file, then replaces the bitmap, then the
 state (a volatile layer replaces them without flushing the disk), for the
@@ -62,7 +64,7 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -74,7 +76,6 @@ from .view import LayerView, chunk_spans
 
 MAX_DISK = 16 << 40  # bytes: the largest sandbox disk (a sparse file)
 PAGE = 4096  # bytes: what a partial chunk holds or lacks
-COMPLETERS = 4  # threads completing a frozen generation's partial chunks before it is published
 
 class RWLock:
     """Many readers/writers of data (shared) or one seal switch (exclusive)."""
@@ -289,8 +290,10 @@ class SealTicket:
         return self.future.result(timeout)
 
 
-# publish(upper, frozen generation's data path, dirty indices, base id) -> new manifest id
-Publisher = Callable[["UpperLayer", Path, list[int], str], str]
+# read_chunk(index) -> chunk `index`'s whole content as a seal froze it
+ChunkReader = Callable[[int], bytes]
+# publish(upper, read_chunk, dirty indices, base id) -> new manifest id
+Publisher = Callable[["UpperLayer", ChunkReader, list[int], str], str]
 
 
 class UpperLayer:
@@ -588,26 +591,17 @@ class UpperLayer:
         except BaseException as exc:  # the frozen generations stay queued; a later seal retries them
             ticket.future.set_exception(exc)
 
-    def _complete_frozen(self, frozen: _Generation) -> None:
-        """Make `frozen`'s partial chunks whole, from the lower stack (it is
-        the oldest frozen generation: nothing else is below it). Reads see
-        the same bytes before and after."""
-        def below(index: int) -> bytes:
-            n = self._chunk_len(index)
-            return _zero_tail(self.lower.read(index * self.chunk_size, n), n)
-
-        partial = list(frozen.pages)
-        if not partial:
-            return
-        with ThreadPoolExecutor(min(COMPLETERS, len(partial)), thread_name_prefix="strata-complete") as pool:
-            for index, data in zip(partial, pool.map(below, partial)):
-                self._complete(frozen, index, data)
-
     def _publish_oldest(self, frozen: _Generation, publish: Publisher) -> None:
         frozen.sync(durable=not self.volatile)  # what the switch left: a restart republishes all of it
-        self._complete_frozen(frozen)
         dirty = frozen.dirty_indices()
-        new_base = publish(self, frozen.data_path, dirty, self.base) if dirty else self.base
+
+        def frozen_chunk(index: int) -> bytes:
+            """Its pages over what is below, composed in memory (nothing is written back)."""
+            data = self._compose([frozen], index, 0, self._chunk_len(index), self.lower.read)
+            assert data is not None  # lower.read waits instead
+            return data
+
+        new_base = publish(self, frozen_chunk, dirty, self.base) if dirty else self.base
         new_lower = self._relower(new_base) if new_base != self.base else self.lower
         self._lock.acquire_exclusive()
         try:

@@ -39,6 +39,15 @@ class LayerView:
     def __post_init__(self) -> None:
         self._zero = bytes(self.chunk_size)
 
+    @classmethod
+    def of(cls, fetcher: ChunkFetcher, manifest_id: str) -> "LayerView":
+        """The view of a layer stack in the fetcher's store (its packed
+        chunks' whereabouts told to the fetcher)."""
+        store = fetcher.store
+        top, resolved = store.chunk_map(manifest_id)
+        fetcher.learn(store.packed_map(manifest_id))
+        return cls(fetcher, manifest_id, top.size, top.chunk_size, resolved)
+
     def chunk_range(self, offset: int, length: int) -> range:
         """Indices of chunks covering [offset, offset+length) within the image."""
         end = min(self.size, offset + length)

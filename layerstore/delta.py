@@ -9,6 +9,7 @@ MiB per chunk; here it is one pack (layerstore/pack.py) for the lot:
     for each dirty index i, with D the chunk's digest and P the parent's chunk at i:
       all zeros           -> a whiteout (if the parent had data), else nothing
       D == P              -> nothing: the parent's chunk stays
+      D == P's base       -> D, that whole chunk (never an entry over itself)
       mostly changed      -> a whole chunk object, as an import stores it
       else                -> an entry in the pack over the base: P itself, or,
                              if P is packed, P's own base (chains stay one deep)
@@ -16,22 +17,27 @@ MiB per chunk; here it is one pack (layerstore/pack.py) for the lot:
 then the pack is put, then the manifest (`chunks` names every D; `packed`
 says where the packed ones are). Base bytes come from `read_base` (the
 mount's chunk fetcher: cache or memory, the store only if it must).
+
+A write lease (layerstore/lease.py) is taken only when a chunk goes whole:
+that is where a chunk the store already holds is reused, which a GC must
+not delete before the manifest names it. A pack is a new object, and a base
+is named by the parent stack, which the sandbox keeps alive; so a seal of
+changed pages alone costs no lease.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from contextlib import ExitStack
 from typing import NamedTuple
 
 import blake3
 
 from .chunk import encode_chunk
-from .importer import ImportResult, _indices, _open_image
+from .importer import ImportResult
 from .lease import Lease
 from .manifest import Layer, Packed
 from .pack import PAGE, PackWriter, changed_pages, encode_entry
@@ -56,36 +62,38 @@ class _Chunk(NamedTuple):
 
 def publish_delta(
     store: Store,
-    path: str | Path,
+    read_chunk: Callable[[int], bytes],
+    size: int,
     *,
     parent: str,
     slots: list[int],
     read_base: Callable[[str], bytes],
+    keep: Callable[[str, bytes], None] | None = None,
     annotations: Mapping[str, str] | None = None,
     whole_share: float = WHOLE_SHARE,
     workers: int = 4,
 ) -> ImportResult:
-    """Publish the chunks `slots` of the file at `path` as a layer over
-    `parent`, changed pages packed (see the module docstring)."""
+    """Publish chunks `slots` of a `size`-byte disk (each one's whole content
+    from `read_chunk(index)`) as a layer over `parent`, changed pages packed
+    (see the module docstring). `keep` is
+    given each new chunk's digest and bytes as they are read (the mount
+    keeps them in memory for the next seal and the snapshot's restores)."""
     started = time.monotonic()
     top, parent_map = store.chunk_map(parent)
-    fd, size = _open_image(Path(path))
-    try:
-        planner = _Planner(store, fd, size, top.chunk_size, parent_map, store.packed_map(parent), read_base,
-                           whole_share=whole_share)
-        result = ImportResult(manifest_id="", ref=None, size=size, chunk_size=top.chunk_size, parent=parent)
-        with Lease(store.backend, f"seal {Path(path).name}") as lease:
-            indices = _indices(fd, size, top.chunk_size, slots)
-            planner.find_bases(indices)
-            with ThreadPoolExecutor(max(1, workers), thread_name_prefix="strata-delta") as pool:
-                planned = list(pool.map(planner.plan, indices))
-            chunks, packed = _store(store, planned, parent_map, planner.parent_packed, result)
-            lease.check()
-            result.manifest_id = store.put_layer(Layer(size=size, chunk_size=top.chunk_size, chunks=chunks,
-                                                       parent=parent, annotations=dict(annotations or {}),
-                                                       packed=packed))
-    finally:
-        os.close(fd)
+    planner = _Planner(store, read_chunk, top.chunk_size, parent_map, store.packed_map(parent), read_base,
+                       keep=keep, whole_share=whole_share)
+    result = ImportResult(manifest_id="", ref=None, size=size, chunk_size=top.chunk_size, parent=parent)
+    with planner.leases:
+        indices = sorted({i for i in slots if 0 <= i < -(-size // top.chunk_size)})
+        planner.find_bases(indices)
+        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="strata-delta") as pool:
+            planned = list(pool.map(planner.plan, indices))
+        chunks, packed = _store(store, planned, parent_map, planner.parent_packed, result)
+        if planner.lease is not None:
+            planner.lease.check()
+        result.manifest_id = store.put_layer(Layer(size=size, chunk_size=top.chunk_size, chunks=chunks,
+                                                   parent=parent, annotations=dict(annotations or {}),
+                                                   packed=packed))
     result.seconds = time.monotonic() - started
     return result
 
@@ -93,16 +101,20 @@ def publish_delta(
 class _Planner:
     """Decides, chunk by chunk (on several threads), how a dirty index is stored."""
 
-    def __init__(self, store: Store, fd: int, size: int, chunk_size: int, parent_map: dict[int, str],
-                 parent_packed: dict[str, Packed], read_base: Callable[[str], bytes], *, whole_share: float) -> None:
-        self.store, self.fd, self.size, self.cs = store, fd, size, chunk_size
+    def __init__(self, store: Store, read_chunk: Callable[[int], bytes], chunk_size: int, parent_map: dict[int, str],
+                 parent_packed: dict[str, Packed], read_base: Callable[[str], bytes], *,
+                 keep: Callable[[str, bytes], None] | None, whole_share: float) -> None:
+        self.store, self.read_chunk, self.cs = store, read_chunk, chunk_size
         self.parent_map, self.parent_packed, self.read_base = parent_map, parent_packed, read_base
+        self.keep = keep
         self.whole_share = whole_share
         self.zero = bytes(chunk_size)
         self.bases: dict[int, str | None] = {}
         self.usable: set[str] = set()
         self._budget = PACK_BUDGET
         self._lock = threading.Lock()
+        self.leases = ExitStack()  # holds the lease once a whole chunk needs it
+        self.lease: Lease | None = None
 
     def find_bases(self, indices: list[int]) -> None:
         """Each index's base: the parent's chunk, or its base if that one is
@@ -115,17 +127,27 @@ class _Planner:
         self.usable = wanted - self.store.local_missing_chunks(wanted)
 
     def plan(self, index: int) -> _Chunk:
-        data = os.pread(self.fd, min(self.cs, self.size - index * self.cs), index * self.cs)
+        data = self.read_chunk(index)
         if data == self.zero[:len(data)]:
             return _Chunk(index, None)
         digest = blake3.blake3(data).hexdigest()
         if digest == self.parent_map.get(index) or digest in self.parent_packed:
             return _Chunk(index, digest)
+        if self.keep is not None:
+            self.keep(digest, data)
         base = self.bases[index]
+        if digest == base and base in self.usable:  # back to the whole chunk below it: name that
+            return _Chunk(index, digest, whole=True)
         entry = self._entry(data, base) if base is None or base in self.usable else None
         if entry is not None:
             return _Chunk(index, digest, base=base, entry=entry)
+        self._leased()
         return _Chunk(index, digest, whole=True, stored=_put_whole(self.store, digest, data))
+
+    def _leased(self) -> None:
+        with self._lock:
+            if self.lease is None:
+                self.lease = self.leases.enter_context(Lease(self.store.backend, "seal"))
 
     def _entry(self, data: bytes, base: str | None) -> bytes | None:
         """`data` as an entry over `base`, or None if it is better stored whole

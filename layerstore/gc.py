@@ -199,7 +199,7 @@ def _forget(store: Store, p: Plan, batch: list[str]) -> int:
     """Drop deleted manifests from the catalog (a cache: forgetting is always safe); their bytes."""
     for key in batch:
         if key.startswith(MANIFEST_PREFIX):
-            store.catalog.forget_manifest(key.removeprefix(MANIFEST_PREFIX))
+            store.forget_layer(key.removeprefix(MANIFEST_PREFIX))
     return sum(p.sizes.get(key, 0) for key in batch)
 
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -66,6 +67,42 @@ from .templates import Template, parse_template, template_key
 PREFETCH_PREFIX = "prefetch/"
 PARTIAL_PREFIX = "partial/"  # a manifest published by a manifests-only pull: some chunks it names are elsewhere
 PACK_CACHE = 64 << 20  # bytes of recently read packs a Store keeps (pack.PackCache)
+PARSED_ENTRIES = 1 << 18  # chunk entries of parsed manifests a Store keeps in memory
+
+
+class _ParsedLayers:
+    """Parsed, verified layer manifests by id, least recently used out first
+    once they hold more than `capacity` chunk entries in all (a manifest is
+    immutable: its id is its hash)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._layers: collections.OrderedDict[str, Layer] = collections.OrderedDict()
+        self._entries = 0
+        self._lock = threading.Lock()
+
+    def get(self, manifest_id: str) -> Layer | None:
+        with self._lock:
+            layer = self._layers.get(manifest_id)
+            if layer is not None:
+                self._layers.move_to_end(manifest_id)
+            return layer
+
+    def put(self, manifest_id: str, layer: Layer) -> Layer:
+        with self._lock:
+            if manifest_id not in self._layers:
+                self._layers[manifest_id] = layer
+                self._entries += len(layer.chunks)
+                while self._entries > self.capacity and len(self._layers) > 1:
+                    _old, dropped = self._layers.popitem(last=False)
+                    self._entries -= len(dropped.chunks)
+        return layer
+
+    def drop(self, manifest_id: str) -> None:
+        with self._lock:
+            layer = self._layers.pop(manifest_id, None)
+            if layer is not None:
+                self._entries -= len(layer.chunks)
 
 
 def _prefetch_key(manifest_id: str) -> str:
@@ -107,6 +144,7 @@ class Store:
         self.level = level
         self.read_path = read_path or chunk_read_path(backend)
         self.packs = PackCache(PACK_CACHE)
+        self._parsed = _ParsedLayers(PARSED_ENTRIES)  # a restore, a seal and a view walk the same stacks
 
     def reap_tmp(self) -> int:
         """Remove temp files that writers which crashed left in a local store
@@ -139,16 +177,18 @@ class Store:
         self.close()
 
     # chunks -------------------------------------------------------------------
-    def read_chunk(self, digest: str, via: Packed | None = None) -> bytes:
+    def read_chunk(self, digest: str, via: Packed | None = None, *,
+                   read_base: Callable[[str], bytes] | None = None) -> bytes:
         """Fetch, decompress and verify one chunk: its own object through the
         read path, or, `via` a layer's packed entry, rebuilt from its pack
-        (this store's) and base. Raises MissingChunk / CorruptObject.
+        (this store's) and base (read by `read_base`, default this method:
+        the mount passes its cached reader). Raises MissingChunk / CorruptObject.
 
         A pack is read whole: packs hold a seal's changed pages, not images."""
-        if via is not None:
+        if via is not None and via.base != digest:  # (an entry over itself: the chunk is whole)
             blob = self._pack(via.pack)
             if blob is not None:
-                base = self.read_chunk(via.base) if via.base is not None else None
+                base = (read_base or self.read_chunk)(via.base) if via.base is not None else None
                 try:
                     return decode_entry(digest, blob[via.offset:via.offset + via.length], base)
                 except CorruptObject:
@@ -219,12 +259,16 @@ class Store:
 
     # manifests ----------------------------------------------------------------
     def get_layer(self, manifest_id: str) -> Layer:
-        """Load a manifest (catalog first, then backend), always verified."""
+        """Load a manifest (parsed ones kept in memory, then the catalog, then
+        the backend), always verified."""
         check_digest(manifest_id, what="manifest id")
+        layer = self._parsed.get(manifest_id)
+        if layer is not None:
+            return layer
         blob = self.catalog.get_manifest(manifest_id)
         if blob is not None:
             try:
-                return parse_manifest(manifest_id, blob)
+                return self._parsed.put(manifest_id, parse_manifest(manifest_id, blob))
             except CorruptObject:
                 self.catalog.forget_manifest(manifest_id)
         try:
@@ -233,7 +277,12 @@ class Store:
             raise NotFound(f"manifest {manifest_id} not found in {self.describe()}") from None
         layer = parse_manifest(manifest_id, blob)
         self.catalog.put_manifest(manifest_id, blob)
-        return layer
+        return self._parsed.put(manifest_id, layer)
+
+    def forget_layer(self, manifest_id: str) -> None:
+        """Drop a deleted manifest from what this process and node keep of it."""
+        self._parsed.drop(manifest_id)
+        self.catalog.forget_manifest(manifest_id)
 
     def stack(self, manifest_id: str) -> list[Layer]:
         """The layer and its ancestors, top first."""

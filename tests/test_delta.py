@@ -26,7 +26,10 @@ def rewrite(path: Path, at: int, data: bytes) -> None:
 
 
 def seal(store: Store, path: Path, parent: str, slots: list[int], ref: str) -> str:
-    result = delta.publish_delta(store, path, parent=parent, slots=slots, read_base=store.read_chunk)
+    """Publish chunks `slots` of the file at `path` over `parent` (as a sandbox's seal does its upper layer's)."""
+    data = path.read_bytes()
+    result = delta.publish_delta(store, lambda i: data[i * MiB:(i + 1) * MiB], len(data), parent=parent, slots=slots,
+                                 read_base=store.read_chunk)
     store.set_ref(ref, result.manifest_id)
     return result.manifest_id
 
@@ -84,3 +87,42 @@ def test_past_the_pack_budget_chunks_are_stored_whole(tmp_path: Path, monkeypatc
     assert len(layer.packed) == 2 and len(layer.chunks) == 4
     export_image(store, "a:v2", tmp_path / "out.img")
     assert (tmp_path / "out.img").read_bytes() == image.read_bytes()
+
+
+def test_a_lease_is_taken_only_when_a_chunk_goes_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Changed pages alone need no lease (a new pack; bases the parent
+    names); a whole chunk may be one the store already holds, which GC must
+    not take before the manifest names it."""
+    taken: list[str] = []
+
+    class Counted(delta.Lease):
+        def __enter__(self) -> delta.Lease:
+            taken.append(self.what)
+            return super().__enter__()
+
+    monkeypatch.setattr(delta, "Lease", Counted)
+    store = local_store(tmp_path / "s")
+    image = tmp_path / "a.img"
+    write_image(image, "rr")
+    parent = import_image(store, image, "a:v1").manifest_id
+    rewrite(image, PAGE, os.urandom(PAGE))
+    v2 = seal(store, image, parent, [0], "a:v2")
+    assert taken == [] and keys(store, "leases/") == set()
+    rewrite(image, MiB, os.urandom(MiB))
+    seal(store, image, v2, [1], "a:v3")
+    assert len(taken) == 1 and keys(store, "leases/") == set()  # released once published
+
+
+def test_a_chunk_back_to_its_base_is_named_whole_not_packed_over_itself(tmp_path: Path) -> None:
+    store = local_store(tmp_path / "s")
+    image = tmp_path / "a.img"
+    original = write_image(image, "r")
+    parent = import_image(store, image, "a:v1").manifest_id
+    rewrite(image, PAGE, os.urandom(PAGE))
+    v2 = seal(store, image, parent, [0], "a:v2")
+    assert set(store.get_layer(v2).packed) == {0}
+    image.write_bytes(original)  # the page changes back
+    v3 = store.get_layer(seal(store, image, v2, [0], "a:v3"))
+    assert v3.chunks[0] == store.get_layer(parent).chunks[0] and v3.packed == {}
+    export_image(store, "a:v3", tmp_path / "out.img")
+    assert (tmp_path / "out.img").read_bytes() == original

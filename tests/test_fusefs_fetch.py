@@ -112,3 +112,28 @@ def test_view_reads_holes_without_fetching(tmp_path: Path) -> None:
     assert view.read(cs, 5) == DATA[:5] and fetched == [DIGEST]
     assert view.read(3 * cs, 10) == b"" and view.read(-1, 10) == b""
     assert list(view.touched) == [1]
+
+
+def test_a_base_is_read_whole_so_rebuilds_never_wait_on_each_other(tmp_path: Path) -> None:
+    """Two whole chunks, each also packed over the other in some layer (a
+    RAM page that changed and changed back): reading either must not chase
+    the recipes in a circle (single flight would wait on itself)."""
+    from layerstore.manifest import Packed
+    from layerstore.pack import PackWriter
+
+    store = open_store(str(tmp_path / "store"))
+    a, b = b"a" * 65536, b"a" * 4096 + b"b" * 61440
+    for data in (a, b):
+        store.write_chunk(digest_bytes(data), data)
+    writer = PackWriter()
+    b_over_a, a_over_b = writer.add(b, a), writer.add(a, b)
+    pack = store.put_pack(writer)
+    fetcher = ChunkFetcher(store, ChunkCache(tmp_path / "cache", capacity=1 << 20))
+    fetcher.learn({digest_bytes(b): Packed(digest_bytes(a), pack, *b_over_a),
+                   digest_bytes(a): Packed(digest_bytes(b), pack, *a_over_b)})
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend([fetcher.read(digest_bytes(a)), fetcher.read(digest_bytes(b))]),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert got == [a, b]

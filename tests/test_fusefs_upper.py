@@ -12,8 +12,9 @@ import pytest
 from fusefs.cache import ChunkCache
 from fusefs.fetch import ChunkFetcher
 from fusefs.control import check_sid
-from fusefs.upper import UpperLayer, _read_checked
+from fusefs.upper import ChunkReader, UpperLayer, _read_checked
 from fusefs.view import LayerView
+from layerstore.delta import publish_delta
 from layerstore.errors import InvalidInput
 from layerstore.exporter import export_image
 from layerstore.importer import import_image
@@ -33,8 +34,7 @@ class Env:
         self.fetcher = ChunkFetcher(self.store, ChunkCache(tmp / "cache", capacity=64 * MiB))
 
     def view(self, manifest_id: str) -> LayerView:
-        top, resolved = self.store.chunk_map(manifest_id)
-        return LayerView(self.fetcher, manifest_id, top.size, top.chunk_size, resolved)
+        return LayerView.of(self.fetcher, manifest_id)
 
     def new_upper(self, sid: str) -> UpperLayer:
         return UpperLayer.create(self.tmp / "uppers" / sid, self.view(self.base_id), relower=self.view)
@@ -44,8 +44,9 @@ class Env:
         state = UpperLayer.read_state(root)
         return UpperLayer(root, self.view(str(state["base"])), state, relower=self.view)
 
-    def publish(self, upper: UpperLayer, data_path: Path, dirty: list[int], base: str) -> str:
-        return import_image(self.store, data_path, None, chunk_size=upper.chunk_size, parent=base, slots=dirty).manifest_id
+    def publish(self, upper: UpperLayer, read_chunk: ChunkReader, dirty: list[int], base: str) -> str:
+        return publish_delta(self.store, read_chunk, upper.size, parent=base, slots=dirty,
+                             read_base=self.fetcher.read).manifest_id
 
 
 @pytest.fixture

@@ -413,7 +413,7 @@ def test_a_damaged_store_is_not_collected_unless_allowed(store: Store, tmp_path:
     write_image(tmp_path / "kept.img", "rr", seed=3)
     kept = import_image(store, tmp_path / "kept.img", "kept:v1").manifest_id
     store.backend.delete(f"manifests/{kept}")  # lost: a ref names a manifest that is gone
-    store.catalog.forget_manifest(kept)
+    store.forget_layer(kept)
     with pytest.raises(StrataError, match=f"damaged.*manifest {kept}.*nothing was deleted"):
         gc.collect(store, grace=0, now=time.time() + 10)
     assert doomed <= keys(store, "")

@@ -70,7 +70,7 @@ def test_dangling_ref_and_corrupt_manifest_reported(store: Store, tmp_path: Path
     write_image(tmp_path / "a.img", "r")
     res = import_image(store, tmp_path / "a.img", "img:v1")
     store.backend.put(f"manifests/{res.manifest_id}", b'{"v":1}')
-    store.catalog.forget_manifest(res.manifest_id)
+    store.forget_layer(res.manifest_id)
     report = verify_store(store)
     assert not report.ok
     assert any(res.manifest_id in m for m in report.bad_manifests)

@@ -491,14 +491,17 @@ class Sandboxes:
 
     def _publish(self, sandbox: Sandbox, implicit: str, timings: dict[str, float]) -> str:
         """The rest, which the guest need not wait for: the seals published,
-        device state stored, the snapshot written. Adds the step timings
-        ("seal", "publish") to `timings` and returns the snapshot's id."""
+        device state stored (beside them), the snapshot written. Adds the
+        step timings ("seal", "publish") to `timings` and returns the
+        snapshot's id."""
         sid, record = sandbox.sid, sandbox.record
         t1 = time.monotonic()
-        disk = self.client.await_seal(sid).manifest
-        memory = self.client.await_seal(memory_sid(sid)).manifest
-        t2 = time.monotonic()
-        state_id = import_image(self.store, sandbox.workdir / "state").manifest_id
+        with ThreadPoolExecutor(1, thread_name_prefix="strata-state") as pool:
+            state = pool.submit(import_image, self.store, sandbox.workdir / "state")
+            disk = self.client.await_seal(sid).manifest
+            memory = self.client.await_seal(memory_sid(sid)).manifest
+            t2 = time.monotonic()
+            state_id = state.result().manifest_id
         snap = Snapshot(
             layers={"disk": disk, "memory": memory, "state": state_id},
             vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
