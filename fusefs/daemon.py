@@ -56,12 +56,8 @@ RECORD_WINDOW = 10.0  # seconds of a layer's first use on a node recorded as its
 RECORD_SHARE = 0.5  # a recorded working set names at most this share of its layer's chunks
 SEALERS = 2  # seal jobs at once: a snapshot seals a disk and a RAM layer
 WRITE_BEHIND = 64 << 20  # bytes of fetched chunks that may wait for their cache write (fetch.py)
-KEEP_SEALED = 32 << 20  # bytes of a seal's chunks kept in memory (the fetcher's recent set holds 64 MiB)
-
-
-def _lowest_priority() -> None:
-    """Run the calling thread at nice 19 (Linux schedules threads one by one)."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+RECENT = 128 << 20  # bytes of recent chunks the fetcher keeps in memory (a seal's and what it reads below)
+KEEP_SEALED = 32 << 20  # bytes of a seal's chunks kept in memory (of RECENT)
 
 
 class Catalogue:
@@ -73,7 +69,7 @@ class Catalogue:
         self.store = store
         self.squash_depth = squash_depth  # a sealed stack deeper than this is squashed (layerstore/squash.py)
         self.cache = cache
-        self.fetcher = ChunkFetcher(store, cache, write_behind=WRITE_BEHIND)
+        self.fetcher = ChunkFetcher(store, cache, write_behind=WRITE_BEHIND, memory=RECENT)
         self.upper_root = upper_root
         self.upper_root.mkdir(parents=True, exist_ok=True)
         self.sandboxes: dict[str, UpperLayer] = {}
@@ -84,9 +80,6 @@ class Catalogue:
         # a VM snapshot seals its disk and its RAM at once: publish them side by
         # side (each sandbox's own seals still publish in order: upper.py)
         self._sealer = ThreadPoolExecutor(SEALERS, thread_name_prefix="strata-seal")
-        # keeps what seals stored, at the lowest CPU priority: it must not
-        # slow the snapshot that is being published or the guest it resumed
-        self._keeper = ThreadPoolExecutor(1, thread_name_prefix="strata-keep", initializer=_lowest_priority)
         self._prefetched: set[str] = set()
         self.record_window, self.record_share = record_window, record_share
         self._recorders: list[threading.Timer] = []
@@ -242,12 +235,12 @@ class Catalogue:
             return result.manifest_id
 
     def _keeping(self) -> Callable[[str, bytes], None]:
-        """What a seal calls with each chunk it stores (as it reads it): keep
-        it in memory, in the background, so the next seal's completions and
-        the snapshot's restores and forks read it without fetch or decode.
-        At most KEEP_SEALED bytes per seal (a VM snapshot's RAM is tens of
-        chunks; a disk sealed under a bulk writer can be hundreds, which
-        memory would not hold anyway)."""
+        """What a seal calls with each chunk it stores, digest just computed
+        from the bytes: keep it in memory, so the next seal composes its
+        chunks, and the snapshot's restores and forks read them, without
+        fetch or decode. At most KEEP_SEALED bytes per seal (a VM snapshot's
+        RAM is tens of chunks; a disk sealed under a bulk writer can be
+        hundreds, which memory would not hold anyway)."""
         room = [KEEP_SEALED]
         lock = threading.Lock()
 
@@ -256,10 +249,7 @@ class Catalogue:
                 room[0] -= len(data)
                 if room[0] < 0:
                     return
-            try:
-                self._keeper.submit(self.fetcher.keep, digest, data)
-            except RuntimeError:  # shutting down
-                pass
+            self.fetcher.keep(digest, data, hashed=True)
         return keep
 
     def seal(self, sid: str, *, wait: bool = False, timeout: float = 600) -> Sealed:
@@ -296,7 +286,6 @@ class Catalogue:
             for timer in self._recorders:
                 timer.cancel()
         self._sealer.shutdown(wait=True)
-        self._keeper.shutdown(wait=False, cancel_futures=True)
         self._prefetch.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
         for upper in self.sandboxes.values():

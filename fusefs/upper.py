@@ -65,6 +65,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -591,17 +592,26 @@ class UpperLayer:
         except BaseException as exc:  # the frozen generations stay queued; a later seal retries them
             ticket.future.set_exception(exc)
 
+    def _frozen_chunk(self, frozen: _Generation, index: int) -> bytes:
+        """Chunk `index` as the oldest frozen generation `frozen` leaves it:
+        its pages laid over the whole chunk below (one read of it), in memory;
+        nothing is written back."""
+        n = self._chunk_len(index)
+        at = index * self.chunk_size
+        if frozen.is_dirty(index):
+            return os.pread(frozen.fd, n, at)
+        out = bytearray(_zero_tail(self.lower.chunk(index), n))
+        view = memoryview(out)
+        for held, start, length in _page_runs(frozen.pages[index], 0, n):
+            if held:
+                os.preadv(frozen.fd, [view[start:start + length]], at + start)
+        return bytes(out)
+
     def _publish_oldest(self, frozen: _Generation, publish: Publisher) -> None:
         frozen.sync(durable=not self.volatile)  # what the switch left: a restart republishes all of it
         dirty = frozen.dirty_indices()
 
-        def frozen_chunk(index: int) -> bytes:
-            """Its pages over what is below, composed in memory (nothing is written back)."""
-            data = self._compose([frozen], index, 0, self._chunk_len(index), self.lower.read)
-            assert data is not None  # lower.read waits instead
-            return data
-
-        new_base = publish(self, frozen_chunk, dirty, self.base) if dirty else self.base
+        new_base = publish(self, partial(self._frozen_chunk, frozen), dirty, self.base) if dirty else self.base
         new_lower = self._relower(new_base) if new_base != self.base else self.lower
         self._lock.acquire_exclusive()
         try:

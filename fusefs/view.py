@@ -71,6 +71,15 @@ class LayerView:
                 parts.append(self.fetcher.read(digest, inner, n))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def chunk(self, index: int) -> bytes:
+        """Chunk `index` whole (zeros for a hole, nothing past the end), for a
+        seal composing it: not a guest's read (not recorded as touched), and
+        kept in the fetcher's memory, where the seal reads it again as a base."""
+        start = index * self.chunk_size
+        n = max(0, min(self.chunk_size, self.size - start))
+        digest = self.chunks.get(index)
+        return self._zero[:n] if digest is None or n == 0 else self.fetcher.read(digest)
+
     def read_ready(self, offset: int, length: int, *, max_disk_read: int = 64 << 10) -> bytes | None:
         """A read within one chunk served without I/O waits (hole, memory or
         verified cache entry: a pread of at most `max_disk_read` bytes), or
