@@ -443,7 +443,6 @@ class Sandboxes:
                 sandbox.vm.resume()
             timings["paused"] = time.monotonic() - paused
             snapshot_id = self._publish(sandbox, implicit, timings)
-            timings["total"] = time.monotonic() - paused  # pause to published
         except BaseException:
             self._after_failed_snapshot(sandbox, resume)
             raise
