@@ -58,11 +58,6 @@ from .registry import MAX_FORKS, LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 
 log = logging.getLogger("strata.vmm")
 
-# Guest RAM is stored in smaller chunks than disks: a snapshot's dirty pages
-# are scattered, and each seal composes, hashes and keeps whole chunks (1 MiB
-# ones made a seal of ~2 MB of pages handle ~37 MiB).
-MEMORY_CHUNK = 256 << 10
-
 
 @dataclass
 class Sandbox:
@@ -770,16 +765,13 @@ class Sandboxes:
         return self.mount / "sandboxes" / memory_sid(sid) / "disk.img"
 
     def _zero_memory(self, memory_mib: int) -> str:
-        """The layer a booted VM's RAM starts from: all holes (costs nothing
-        to store), in MEMORY_CHUNK pieces, which every snapshot of that RAM
-        keeps."""
-        name = f"zero-{memory_mib}M-{MEMORY_CHUNK >> 10}K"
+        """The layer a booted VM's RAM starts from: all holes (costs nothing to store)."""
+        name = f"zero-{memory_mib}M"
         with self._guard:
             if name not in self._boot_layers:
                 with tempfile.NamedTemporaryFile(dir=self.registry.root, prefix=".zero-") as f:
                     f.truncate(memory_mib << 20)
-                    self._boot_layers[name] = import_image(self.store, f.name, f"strata-boot:{name}",
-                                                           chunk_size=MEMORY_CHUNK).manifest_id
+                    self._boot_layers[name] = import_image(self.store, f.name, f"strata-boot:{name}").manifest_id
             return self._boot_layers[name]
 
     def _flush_memory(self, sid: str) -> None:
