@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Mapping
 
 from layerstore.digest import digest_bytes
+from layerstore.lru import Lru
 from layerstore.manifest import Packed
 from layerstore.store import Store
 
@@ -53,9 +53,7 @@ class ChunkFetcher:
         # Chunks fetched recently, kept whole in memory: the kernel reads a
         # 1 MiB chunk in 128 KiB requests, and all but the first are served
         # from here instead of re-reading the cache file just written.
-        self._memory_cap = memory
-        self._memory: OrderedDict[str, bytes] = OrderedDict()
-        self._memory_size = 0
+        self._memory: Lru[bytes] = Lru(memory, len)
         # Cache files written behind the read that fetched them, by one
         # thread: the reader goes on at once instead of waiting for a 1 MiB
         # O_DIRECT write (~3 ms here). At most `write_behind` bytes wait, held
@@ -82,22 +80,12 @@ class ChunkFetcher:
         return self.store.read_chunk(digest, where, read_base=self.read)  # the base through the cache
 
     def _remember(self, digest: str, data: bytes) -> None:
-        if len(data) > self._memory_cap:
-            return
-        with self._lock:
-            if digest in self._memory:
-                return
-            self._memory[digest] = data
-            self._memory_size += len(data)
-            while self._memory_size > self._memory_cap:
-                _d, old = self._memory.popitem(last=False)
-                self._memory_size -= len(old)
+        self._memory.put(digest, data)
 
     def _recall(self, digest: str) -> bytes | None:
+        data = self._memory.get(digest)
         with self._lock:
-            data = self._memory.get(digest)
             if data is not None:
-                self._memory.move_to_end(digest)
                 self.memory_hits += 1
                 return data
             return self._unwritten.get(digest)
@@ -149,9 +137,7 @@ class ChunkFetcher:
     def forget_all(self) -> None:
         """Empty the in-memory set (the cache was dropped: a read after it
         must not be served from a copy the node was asked to let go of)."""
-        with self._lock:
-            self._memory.clear()
-            self._memory_size = 0
+        self._memory.clear()
 
     def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes:
         """Bytes [offset, offset+length) of chunk `digest` (whole chunk if length < 0)."""

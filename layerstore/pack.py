@@ -24,8 +24,6 @@ it, and a push copies it, for as long as a layer names the packed chunk.
 from __future__ import annotations
 
 import struct
-import threading
-from collections import OrderedDict
 
 import zstandard
 
@@ -134,41 +132,3 @@ class PackWriter:
     def pack_id(self) -> str:
         return digest_bytes(self.blob())
 
-
-class PackCache:
-    """The packs a process read last, up to `capacity` bytes (least recently
-    used out first): a restore reads most entries of a seal's pack, and a
-    pack is fetched whole. Holds bytes as stored; entries are verified when
-    decoded, as ever."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._blobs: OrderedDict[str, bytes] = OrderedDict()
-        self._size = 0
-        self._lock = threading.Lock()
-
-    def get(self, pack_id: str) -> bytes | None:
-        with self._lock:
-            blob = self._blobs.get(pack_id)
-            if blob is not None:
-                self._blobs.move_to_end(pack_id)
-            return blob
-
-    def put(self, pack_id: str, blob: bytes) -> None:
-        if len(blob) > self.capacity:
-            return
-        with self._lock:
-            if pack_id in self._blobs:
-                return
-            self._blobs[pack_id] = blob
-            self._size += len(blob)
-            while self._size > self.capacity:
-                _old, dropped = self._blobs.popitem(last=False)
-                self._size -= len(dropped)
-
-    def drop(self, pack_id: str) -> None:
-        """Forget a pack (one of its entries failed to decode: read it again next time)."""
-        with self._lock:
-            blob = self._blobs.pop(pack_id, None)
-            if blob is not None:
-                self._size -= len(blob)

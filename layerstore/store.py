@@ -45,7 +45,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,8 @@ from .digest import check_digest, digest_bytes
 from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, Packed, flatten, flatten_packed, manifest_key, parse_manifest
-from .pack import PackCache, PackWriter, decode_entry, pack_key
+from .lru import Lru
+from .pack import PackWriter, decode_entry, pack_key
 from .readthrough import Fallback, ReadThroughBackend
 from .refs import REF_PREFIX, Ref, decode_ref_owner, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
@@ -66,43 +66,8 @@ from .templates import Template, parse_template, template_key
 
 PREFETCH_PREFIX = "prefetch/"
 PARTIAL_PREFIX = "partial/"  # a manifest published by a manifests-only pull: some chunks it names are elsewhere
-PACK_CACHE = 64 << 20  # bytes of recently read packs a Store keeps (pack.PackCache)
+PACK_CACHE = 64 << 20  # bytes of recently read packs a Store keeps
 PARSED_ENTRIES = 1 << 18  # chunk entries of parsed manifests a Store keeps in memory
-
-
-class _ParsedLayers:
-    """Parsed, verified layer manifests by id, least recently used out first
-    once they hold more than `capacity` chunk entries in all (a manifest is
-    immutable: its id is its hash)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._layers: collections.OrderedDict[str, Layer] = collections.OrderedDict()
-        self._entries = 0
-        self._lock = threading.Lock()
-
-    def get(self, manifest_id: str) -> Layer | None:
-        with self._lock:
-            layer = self._layers.get(manifest_id)
-            if layer is not None:
-                self._layers.move_to_end(manifest_id)
-            return layer
-
-    def put(self, manifest_id: str, layer: Layer) -> Layer:
-        with self._lock:
-            if manifest_id not in self._layers:
-                self._layers[manifest_id] = layer
-                self._entries += len(layer.chunks)
-                while self._entries > self.capacity and len(self._layers) > 1:
-                    _old, dropped = self._layers.popitem(last=False)
-                    self._entries -= len(dropped.chunks)
-        return layer
-
-    def drop(self, manifest_id: str) -> None:
-        with self._lock:
-            layer = self._layers.pop(manifest_id, None)
-            if layer is not None:
-                self._entries -= len(layer.chunks)
 
 
 def _prefetch_key(manifest_id: str) -> str:
@@ -143,8 +108,8 @@ class Store:
         self.catalog = catalog
         self.level = level
         self.read_path = read_path or chunk_read_path(backend)
-        self.packs = PackCache(PACK_CACHE)
-        self._parsed = _ParsedLayers(PARSED_ENTRIES)  # a restore, a seal and a view walk the same stacks
+        self.packs: Lru[bytes] = Lru(PACK_CACHE, len)  # a restore reads most entries of a seal's pack
+        self._parsed: Lru[Layer] = Lru(PARSED_ENTRIES, lambda layer: len(layer.chunks))  # stacks walked again
 
     def reap_tmp(self) -> int:
         """Remove temp files that writers which crashed left in a local store
@@ -192,7 +157,7 @@ class Store:
                 try:
                     return decode_entry(digest, blob[via.offset:via.offset + via.length], base)
                 except CorruptObject:
-                    self.packs.drop(via.pack)
+                    self.packs.pop(via.pack)  # read it again next time
                     raise
         try:
             blob = self.read_path.get(chunk_key(digest))
@@ -268,7 +233,9 @@ class Store:
         blob = self.catalog.get_manifest(manifest_id)
         if blob is not None:
             try:
-                return self._parsed.put(manifest_id, parse_manifest(manifest_id, blob))
+                layer = parse_manifest(manifest_id, blob)
+                self._parsed.put(manifest_id, layer)
+                return layer
             except CorruptObject:
                 self.catalog.forget_manifest(manifest_id)
         try:
@@ -277,11 +244,12 @@ class Store:
             raise NotFound(f"manifest {manifest_id} not found in {self.describe()}") from None
         layer = parse_manifest(manifest_id, blob)
         self.catalog.put_manifest(manifest_id, blob)
-        return self._parsed.put(manifest_id, layer)
+        self._parsed.put(manifest_id, layer)
+        return layer
 
     def forget_layer(self, manifest_id: str) -> None:
         """Drop a deleted manifest from what this process and node keep of it."""
-        self._parsed.drop(manifest_id)
+        self._parsed.pop(manifest_id)
         self.catalog.forget_manifest(manifest_id)
 
     def stack(self, manifest_id: str) -> list[Layer]:

@@ -58,6 +58,16 @@ class Mount:
         subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
         self.pid = None
 
+    def kill(self) -> None:
+        """SIGKILL the daemon and wait until it is gone (its mount stays, dead)."""
+        os.kill(self.pid, signal.SIGKILL)
+        for _ in range(200):
+            try:
+                os.kill(self.pid, 0)
+                time.sleep(0.05)
+            except ProcessLookupError:
+                break
+
     def stats(self) -> dict:
         return json.loads(self.strata("cache", "stats", "--mount", str(self.mnt), "--json").stdout)
 
@@ -214,13 +224,7 @@ def test_closing_a_writer_flushes_and_closing_a_reader_does_not(mount: Mount) ->
     os.pwrite(writer.fileno(), b"opened", MiB + 8192)  # another chunk than the closed writer's
     with open(disk, "rb", buffering=0) as reader:
         assert os.pread(reader.fileno(), 6, MiB + 8192) == b"opened"
-    os.kill(mount.pid, signal.SIGKILL)
-    for _ in range(200):
-        try:
-            os.kill(mount.pid, 0)
-            time.sleep(0.05)
-        except ProcessLookupError:
-            break
+    mount.kill()
     with pytest.raises(OSError):  # the daemon is gone: this flush reaches no one
         writer.close()
     mount.start()
@@ -239,13 +243,7 @@ def test_sigkill_then_remount_keeps_fsynced_writes(mount: Mount) -> None:
     with open(disk, "r+b", buffering=0) as f:
         os.pwrite(f.fileno(), b"synced", 4096)
         os.fsync(f.fileno())
-    os.kill(mount.pid, signal.SIGKILL)
-    for _ in range(200):
-        try:
-            os.kill(mount.pid, 0)
-            time.sleep(0.05)
-        except ProcessLookupError:
-            break
+    mount.kill()
     with pytest.raises(OSError) as e:
         os.stat(disk)
     assert e.value.errno == errno.ENOTCONN  # the dead mount a crash leaves behind

@@ -148,7 +148,7 @@ def test_a_corrupt_or_missing_pack_is_found_by_verify_and_never_served(tmp_path:
     report = verify_store(store)
     assert not report.ok and any(pack in e for e in report.errors)
     path.unlink()
-    store.packs.drop(pack)  # as another process would find it: verify read it (for the sound entry) last
+    store.packs.pop(pack)  # as another process would find it: verify read it (for the sound entry) last
     report = verify_store(store)
     assert any(f"pack {pack}" in e and "missing" in e for e in report.errors)
     with pytest.raises(MissingChunk, match="pack"):
