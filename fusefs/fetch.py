@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Mapping
 
 from layerstore.digest import digest_bytes
+from layerstore.errors import MissingChunk
 from layerstore.lru import Lru
 from layerstore.manifest import Packed
 from layerstore.store import Store
@@ -74,10 +75,21 @@ class ChunkFetcher:
     def _from_store(self, digest: str) -> bytes:
         """A base is always a whole object (pack.py): it is read as one even
         if some layer also packs the same content, so a rebuild never waits
-        on another rebuild (single flight would deadlock on a cycle)."""
+        on another rebuild (single flight would deadlock on a cycle). Only if
+        that object is gone (the layer it was a base for was collected) is
+        it rebuilt from its own entry, by the store alone (its base read
+        whole, outside this fetcher)."""
         with self._lock:
-            where = None if digest in self._bases else self._packed.get(digest)
-        return self.store.read_chunk(digest, where, read_base=self.read)  # the base through the cache
+            where = self._packed.get(digest)
+            is_base = digest in self._bases
+        if not is_base:
+            return self.store.read_chunk(digest, where, read_base=self.read)  # the base through the cache
+        try:
+            return self.store.read_chunk(digest)
+        except MissingChunk:
+            if where is None:
+                raise
+        return self.store.read_chunk(digest, where)
 
     def _remember(self, digest: str, data: bytes) -> None:
         self._memory.put(digest, data)

@@ -137,3 +137,22 @@ def test_a_base_is_read_whole_so_rebuilds_never_wait_on_each_other(tmp_path: Pat
     reader.start()
     reader.join(timeout=10)
     assert got == [a, b]
+
+
+def test_a_base_whose_object_was_collected_is_rebuilt_from_its_own_entry(tmp_path: Path) -> None:
+    """A digest one (collected) layer used as a base and a live layer packs:
+    once its whole object is gone, the live layer's entry still serves it."""
+    from layerstore.manifest import Packed
+    from layerstore.pack import PackWriter
+
+    store = open_store(str(tmp_path / "store"))
+    b, d = b"b" * 65536, b"b" * 4096 + b"d" * 61440
+    store.write_chunk(digest_bytes(b), b)
+    writer = PackWriter()
+    d_over_b = writer.add(d, b)
+    pack = store.put_pack(writer)
+    fetcher = ChunkFetcher(store, ChunkCache(tmp_path / "cache", capacity=1 << 20))
+    other = digest_bytes(b"x" * 65536)
+    fetcher.learn({other: Packed(digest_bytes(d), pack, 0, 1),  # d was a base there: no object of its own now
+                   digest_bytes(d): Packed(digest_bytes(b), pack, *d_over_b)})
+    assert fetcher.read(digest_bytes(d)) == d
