@@ -36,7 +36,6 @@ from typing import NamedTuple
 
 import blake3
 
-from .chunk import encode_chunk
 from .importer import ImportResult
 from .lease import Lease
 from .manifest import Layer, Packed
@@ -75,9 +74,9 @@ def publish_delta(
 ) -> ImportResult:
     """Publish chunks `slots` of a `size`-byte disk (each one's whole content
     from `read_chunk(index)`) as a layer over `parent`, changed pages packed
-    (see the module docstring). `keep` is
-    given each new chunk's digest and bytes as they are read (the mount
-    keeps them in memory for the next seal and the snapshot's restores)."""
+    (see the module docstring). `keep` is given each new chunk's digest and
+    bytes as they are read (the mount keeps them in memory for the next seal
+    and the snapshot's restores)."""
     started = time.monotonic()
     top, parent_map = store.chunk_map(parent)
     planner = _Planner(store, read_chunk, top.chunk_size, parent_map, store.packed_map(parent), read_base,
@@ -196,8 +195,7 @@ def _put_whole(store: Store, digest: str, data: bytes) -> int:
     """Store a chunk as its own object unless the store has it; the bytes put."""
     if not store.local_missing_chunks([digest]):
         return 0
-    blob = encode_chunk(data, level=store.level)
-    store.put_chunk_object(digest, blob)
-    store.catalog.add_chunks([(digest, len(blob), len(data))])
-    return len(blob)
+    stored = store.write_chunk(digest, data)
+    store.catalog.add_chunks([(digest, stored, len(data))])
+    return stored
 
