@@ -43,6 +43,7 @@ from .cache import ChunkCache
 from .control import MountSettings, check_mountpoint, check_sid, control_socket
 from .fetch import ChunkFetcher
 from .fs import StrataFS
+from .malloc import keep_freed_memory
 from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved,
                        Handlers, ListDisks, MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, RecordPrefetch,
                        RemoveDisk, Seal, Sealed, SealState, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, answer,
@@ -515,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ready_file = os.fdopen(args.ready_fd, "w") if args.ready_fd is not None else None
+    keep_freed_memory()  # chunk-sized buffers come and go on the event loop: no page faults for each
 
     def ready() -> None:
         if ready_file is not None:
