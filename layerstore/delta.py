@@ -154,9 +154,10 @@ class _Planner:
         base_bytes = self.read_base(base) if base is not None else None
         if base_bytes is not None and len(base_bytes) != len(data):
             return None
-        if len(changed_pages(data, base_bytes)) > self.whole_share * -(-len(data) // PAGE):
+        pages = changed_pages(data, base_bytes)
+        if len(pages) > self.whole_share * -(-len(data) // PAGE):
             return None
-        entry = encode_entry(data, base_bytes, level=self.store.level)
+        entry = encode_entry(data, base_bytes, level=self.store.level, pages=pages)
         with self._lock:
             self._budget -= len(entry)
             return entry if self._budget >= 0 else None

@@ -59,11 +59,14 @@ def changed_pages(data: bytes, base: bytes | None) -> list[int]:
     return out
 
 
-def encode_entry(data: bytes, base: bytes | None, *, level: int = DEFAULT_LEVEL) -> bytes:
-    """One entry: `data` as the pages that differ from `base` (same length, or None for zeros)."""
+def encode_entry(data: bytes, base: bytes | None, *, level: int = DEFAULT_LEVEL,
+                 pages: list[int] | None = None) -> bytes:
+    """One entry: `data` as the pages that differ from `base` (same length, or
+    None for zeros); `pages` is `changed_pages(data, base)` if the caller has it."""
     if base is not None and len(base) != len(data):
         raise ValueError(f"base is {len(base)} bytes, the chunk {len(data)}")
-    pages = changed_pages(data, base)
+    if pages is None:
+        pages = changed_pages(data, base)
     bitmap = bytearray((_pages(len(data)) + 7) // 8)
     for page in pages:
         bitmap[page >> 3] |= 1 << (page & 7)
