@@ -186,7 +186,8 @@ def _cache_verbs(nouns: Any, common: argparse.ArgumentParser, mount: argparse.Ar
                                                                 "(live from the mount when one serves)")
     p.add_argument("--cache-dir", help="read this cache directory directly instead of asking the mount")
     p.set_defaults(func=cmd_cache_stats)
-    p = verbs.add_parser("drop", parents=[common, mount], help="evict every unpinned chunk")
+    p = verbs.add_parser("drop", parents=[common, mount],
+                         help="evict every unpinned chunk (and the kernel's copy of image and snapshot files)")
     p.set_defaults(func=cmd_cache_drop)
 
 

@@ -386,6 +386,8 @@ class Daemon:
         self.cat.fetcher.flush()  # else a write still behind would refill it
         freed = self.cat.cache.drop()
         self.cat.fetcher.forget_all()
+        if self.cat.fs is not None:
+            self.cat.fs.forget_pages()  # and the kernel's copy of the read-only files
         return CacheDropped(freed=freed)
 
     def pin(self, r: Pin) -> Pinned:
