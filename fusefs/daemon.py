@@ -134,6 +134,12 @@ class Catalogue:
                 self._recorders = [t for t in self._recorders if t.is_alive()] + [timer]
             timer.start()
 
+    def forget_prefetched(self) -> None:
+        """The cache was dropped: the next open of each layer fetches its
+        recorded set again (else a restore after a drop ran without it)."""
+        with self._lock:
+            self._prefetched.clear()
+
     def _record(self, view: LayerView, known: list[int]) -> None:
         """Publish the layer's working set: what it had, then what the guest
         first read since (prefetches are not reads), at most `record_share`
@@ -386,6 +392,7 @@ class Daemon:
         self.cat.fetcher.flush()  # else a write still behind would refill it
         freed = self.cat.cache.drop()
         self.cat.fetcher.forget_all()
+        self.cat.forget_prefetched()
         if self.cat.fs is not None:
             self.cat.fs.forget_pages()  # and the kernel's copy of the read-only files
         return CacheDropped(freed=freed)

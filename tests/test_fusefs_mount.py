@@ -335,6 +335,14 @@ def test_recorded_prefetch_list_is_fetched_on_open(mount: Mount) -> None:
         assert os.pread(f.fileno(), 10, 12 * MiB) == content[12 * MiB : 12 * MiB + 10]
     finally:
         f.close()
+    mount.strata("cache", "drop", "--mount", str(mount.mnt))  # a drop: the next open prefetches the set again
+    fetched = mount.stats()["backend_fetches"]
+    with open(mount.image("boot:v1"), "rb", buffering=0):
+        for _ in range(100):
+            if mount.stats()["backend_fetches"] >= fetched + 2:
+                break
+            time.sleep(0.05)
+        assert mount.stats()["backend_fetches"] >= fetched + 2
 
 
 def test_cache_stats_without_a_daemon(mount: Mount) -> None:
