@@ -179,23 +179,20 @@ class StrataFS(pyfuse3.Operations):
             except (OSError, RuntimeError) as exc:  # ENOENT: the kernel had not cached it
                 log.debug("invalidate %s: %s", name, exc)
 
-    def forget_pages(self) -> int:
+    def forget_pages(self) -> None:
         """Make the kernel drop its page cache of every read-only file (images,
         snapshots: opened with keep_cache), so that a read after `strata cache
-        drop` is as cold as on a node that never saw them. Upper layers keep
-        theirs: their pages may be dirty, and mapped by a running VM. Called
-        from the control thread, never from a request handler. Returns how
-        many files the kernel had cached."""
+        drop` is as cold as on a node that never saw them (a VM mapping one
+        privately faults its pages in again). Upper layers keep theirs: their
+        pages may be dirty, and mapped by a running VM. Called from the
+        control thread, never from a request handler."""
         with self._lock:
             inodes = [n.inode for n in self._nodes.values() if not n.is_dir and n.view is not None and not n.writable]
-        dropped = 0
         for inode in inodes:
             try:
                 pyfuse3.invalidate_inode(inode)
-                dropped += 1
             except (OSError, RuntimeError) as exc:  # ENOENT: the kernel had not cached it
                 log.debug("invalidate inode %d: %s", inode, exc)
-        return dropped
 
     def _image_dir(self, name: str) -> Node | None:
         """images/NAME:TAG, resolved on demand so new imports appear without a remount."""

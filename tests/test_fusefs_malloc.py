@@ -34,4 +34,3 @@ def test_after_keep_freed_memory_a_1_mib_buffer_is_reused_not_faulted_in_again()
     applied, faults = out.stdout.split()
     assert applied == "True"
     assert float(faults) < 32, out.stdout
-
