@@ -379,15 +379,15 @@ class StrataFS(pyfuse3.Operations):
         node = handle.node
         target = node.upper if node.upper is not None else node.view
         assert target is not None
-        if node.view is not None and size <= node.view.chunk_size:
-            # Holes, chunks in memory and verified cache entries need no waiting:
-            # answer on the event loop and skip a thread hop (~0.2 ms here).
-            ready = node.view.read_ready(off, size)
-            if ready is not None:
-                if off == handle.last_end:
-                    self._read_ahead(node, off + len(ready))
-                handle.last_end = off + len(ready)
-                return ready
+        # Holes, chunks in memory, verified cache entries and an upper layer's
+        # own pages need no waiting: answer on the event loop and skip a
+        # thread hop (~0.2 ms here, milliseconds while the node seals).
+        ready = self._read_ready(node, off, size)
+        if ready is not None:
+            if off == handle.last_end:
+                self._read_ahead(node, off + len(ready))
+            handle.last_end = off + len(ready)
+            return ready
         try:
             data = await trio.to_thread.run_sync(target.read, off, size)
         except (CorruptObject, MissingChunk, StrataError) as exc:
@@ -400,6 +400,14 @@ class StrataFS(pyfuse3.Operations):
             self._read_ahead(node, off + len(data))
         handle.last_end = off + len(data)
         return data
+
+    @staticmethod
+    def _read_ready(node: Node, off: int, size: int) -> bytes | None:
+        if node.upper is not None:
+            return node.upper.read_ready(off, size)
+        if node.view is not None and size <= node.view.chunk_size:
+            return node.view.read_ready(off, size)
+        return None
 
     def _read_ahead(self, node: Node, end: int) -> None:
         view = node.upper.lower if node.upper is not None else node.view

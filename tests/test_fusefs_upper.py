@@ -395,3 +395,29 @@ def test_a_seals_state_record_is_overwritten_in_place_and_checked(env: Env) -> N
     assert state == json.loads((up.root / "state.json").read_text()) and state["sealing"] == []
     stale = _read_checked(up.root / "state.next")
     assert stale is not None and stale["seq"] < state["seq"]  # type: ignore[operator]
+
+
+def test_read_ready_never_waits_and_reads_what_read_reads(env: Env) -> None:
+    """The event loop's read shortcut: a generation's own pages, over a hole
+    or a chunk already in memory; None where a fetch or a seal's switch
+    would be waited for, across chunks, or past its byte bound."""
+    assert env.content[CS : 2 * CS] == bytes(CS)  # chunk 1 is a hole
+    up = env.new_upper("a")
+    assert up.read_ready(10, 16) is None  # chunk 0 is neither cached nor in memory yet
+    assert up.read_ready(CS + 5, 100) == bytes(100)
+    up.write(3 * CS + 4096, b"p" * 4096)  # whole pages: recorded, chunk 3 not fetched
+    assert up.read_ready(3 * CS + 4096, 4096) == b"p" * 4096
+    assert up.read_ready(3 * CS, 8192) is None  # its first page is below, not fetched
+    up.read(0, 16)
+    up.read(3 * CS, 16)
+    up.read(up.size - 5, 5)  # chunks 0, 3 and the last are now in memory
+    up.write(20, b"over")
+    for offset, length in ((10, 16), (3 * CS, 8192), (3 * CS + 4000, 200), (CS - 8, 8), (up.size - 5, 50)):
+        assert up.read_ready(offset, length) == up.read(offset, length)
+    assert up.read_ready(CS - 8, 16) is None  # across two chunks
+    assert up.read_ready(0, 8192, max_disk_read=4096) is None
+    up._lock.acquire_exclusive()  # a seal switching generations
+    try:
+        assert up.read_ready(10, 16) is None
+    finally:
+        up._lock.release_exclusive()
