@@ -225,8 +225,14 @@ class ChunkFetcher:
         return True
 
     def prefetch(self, digest: str) -> None:
-        """Bring a chunk into the cache; errors are left for a real read to report."""
-        if self.cache.contains(digest) or digest in self._unwritten:
+        """Bring a chunk into the cache; errors are left for a real read to report.
+
+        Not one held in memory: reads are served from there, and those are
+        mostly the chunks a seal just kept (read-ahead past QEMU's reads of
+        a sandbox's disk and RAM named them): fetching them again, a
+        rebuild from their pack and a cache write each, was most of the
+        mount's fetches during a VM snapshot (187 of 265 in 9 snapshots)."""
+        if digest in self._memory or self.cache.contains(digest) or digest in self._unwritten:
             return
         try:
             self.fetch(digest)

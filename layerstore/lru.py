@@ -56,5 +56,10 @@ class Lru(Generic[V]):
             self._values.clear()
             self._total = 0
 
+    def __contains__(self, key: str) -> bool:
+        """Held now (a look that leaves the order as it is)."""
+        with self._lock:
+            return key in self._values
+
     def __len__(self) -> int:
         return len(self._values)

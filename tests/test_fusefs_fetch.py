@@ -156,3 +156,20 @@ def test_a_base_whose_object_was_collected_is_rebuilt_from_its_own_entry(tmp_pat
     fetcher.learn({other: Packed(digest_bytes(d), pack, 0, 1),  # d was a base there: no object of its own now
                    digest_bytes(d): Packed(digest_bytes(b), pack, *d_over_b)})
     assert fetcher.read(digest_bytes(d)) == d
+
+
+def test_prefetch_leaves_a_chunk_held_in_memory_alone(tmp_path: Path) -> None:
+    """A seal's kept chunk is served from memory: read-ahead naming it
+    fetches nothing and writes no cache file; one not held is fetched."""
+    calls: list[str] = []
+    store = open_store(str(tmp_path / "store"))
+    cache = ChunkCache(tmp_path / "cache", capacity=1 << 20)
+    other = b"other" * 1000
+    fetcher = ChunkFetcher(store, cache, fetch=lambda d: calls.append(d) or (DATA if d == DIGEST else other),
+                           memory=1 << 20)
+    assert fetcher.keep(DIGEST, DATA)
+    fetcher.prefetch(DIGEST)
+    assert calls == [] and fetcher.fetches == 0 and not cache.contains(DIGEST)
+    assert fetcher.read(DIGEST) == DATA and calls == []
+    fetcher.prefetch(digest_bytes(other))
+    assert calls == [digest_bytes(other)] and cache.contains(digest_bytes(other))

@@ -23,3 +23,12 @@ def test_the_least_recently_used_go_first_once_the_weights_pass_the_capacity() -
     assert len(lru) == 0 and lru.get("c") is None
     lru.put("e", b"e" * 10)
     assert lru.get("e") == b"e" * 10
+
+
+def test_a_look_at_what_is_held_does_not_make_it_recent() -> None:
+    lru: Lru[bytes] = Lru(10, len)
+    lru.put("a", b"aaaa")
+    lru.put("b", b"bbbb")
+    assert "a" in lru and "c" not in lru
+    lru.put("c", b"cccc")  # "a" is still the oldest: the look above did not move it
+    assert "a" not in lru and "b" in lru and "c" in lru
