@@ -14,6 +14,7 @@ from typing import Iterator
 import pytest
 
 from fusefs.client import MountClient
+from fusefs.daemon import READ_AHEAD_KIB
 from tests.conftest import IN_CI, MotoHTTP
 from tests.images import MiB, write_image
 from tests.test_cli import run
@@ -120,7 +121,7 @@ def test_a_packed_layer_reads_through_the_mount_rebuilt_and_verified(mount: Moun
     assert mount.stats()["backend_fetches"] == 4
 
 
-def test_read_ahead_is_one_chunk_once_the_mount_says_it_is_ready(mount: Mount) -> None:
+def test_read_ahead_is_set_once_the_mount_says_it_is_ready(mount: Mount) -> None:
     """A restore that starts the moment the mount is up reads its kernel at
     the mount's read-ahead: it must be set before `strata mount` returns,
     not some time after (the kernel default, 128 KiB, is 8 requests a chunk)."""
@@ -129,7 +130,7 @@ def test_read_ahead_is_one_chunk_once_the_mount_says_it_is_ready(mount: Mount) -
     mount.start()
     with open("/proc/self/mountinfo") as f:
         device = next(line.split()[2] for line in f if line.split()[4] == str(mount.mnt))
-    assert Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text().strip() == "1024"
+    assert Path(f"/sys/class/bdi/{device}/read_ahead_kb").read_text().strip() == str(READ_AHEAD_KIB)
 
 
 def test_refusals(mount: Mount) -> None:
