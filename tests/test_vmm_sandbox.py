@@ -24,24 +24,38 @@ def failing_seal(sid: str, *, wait: bool = False) -> None:
     raise BackendUnavailable("the object store did not answer")
 
 
-@pytest.mark.parametrize("paused_before", [False, True])
-def test_a_failed_snapshot_leaves_the_vm_as_it_was_and_the_record_true(tmp_path: Path, paused_before: bool) -> None:
+@pytest.mark.parametrize("paused_before, fails", [(False, "precopy"), (False, "paused"), (True, "paused")])
+def test_a_failed_snapshot_leaves_the_vm_as_it_was_and_the_record_true(tmp_path: Path, paused_before: bool,
+                                                                       fails: str) -> None:
+    """A running guest's snapshot starts with a pre-copy (its RAM written
+    back and both layers sealed while it runs): a failure there pauses
+    nothing; one after the pause gives the guest its vCPUs back."""
     boxes, backend = fake_node(tmp_path)
     (tmp_path / "mnt" / "sandboxes" / "box.mem").mkdir(parents=True)
     (tmp_path / "mnt" / "sandboxes" / "box.mem" / "disk.img").touch()  # the RAM file a snapshot writes back
     vm = backend.vms["box"] = SavingVm(tmp_path / "work" / LOCKS / "box", 4242)
-    boxes.client.seal = failing_seal  # type: ignore[attr-defined]
+    seals: list[str] = []
+
+    def seal(sid: str, *, wait: bool = False) -> None:
+        seals.append(sid)
+        if fails == "precopy" or "pause" in vm.calls:
+            failing_seal(sid)
+
+    boxes.client.seal = seal  # type: ignore[attr-defined]
+    boxes.client.await_seal = lambda sid: None  # type: ignore[attr-defined]
     if paused_before:
         boxes.pause("box")
         vm.calls.clear()
     with pytest.raises(BackendUnavailable, match="did not answer"):
         boxes.snapshot("box")
     record = boxes.registry.load("box")
-    if paused_before:  # stays paused, as the record says
-        assert vm.calls == ["pause"] and record.state == "paused"
-    else:  # the guest gets its vCPUs back, and the record says running
-        assert vm.calls == ["pause", "resume"] and record.state == "running"
-    assert record.last_snapshot is None
+    if paused_before:  # no pre-copy; stays paused, as the record says
+        assert vm.calls == ["pause"] and record.state == "paused" and seals == ["box"]
+    elif fails == "precopy":  # the guest was never paused
+        assert vm.calls == [] and record.state == "running" and seals == ["box"]
+    else:  # the pre-copy sealed both layers; the guest gets its vCPUs back, and the record says running
+        assert vm.calls == ["pause", "resume"] and record.state == "running" and seals == ["box", "box.mem", "box"]
+    assert record.last_snapshot is None and record.operation == ""
 
 
 class StoppedVm(FakeVm):

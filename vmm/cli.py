@@ -159,9 +159,10 @@ def cmd_snapshot(args: argparse.Namespace, ctx: NodeContext) -> int:
         snapshot_id = node.snapshot(args.sid, resume=False if args.pause else None)
     t = node.registry.load(args.sid).timings
     data = {"sid": args.sid, "snapshot": snapshot_id,
-            "timings_ms": {k: round(t[k] * 1e3, 1) for k in ("paused", "capture", "seal", "publish")}}
-    out.result(data, f"snapshot {snapshot_id} (guest paused {t['paused'] * 1e3:.0f} ms; capture {t['capture'] * 1e3:.0f} "
-                     f"ms, seal {t['seal'] * 1e3:.0f} ms, publish {t['publish'] * 1e3:.0f} ms)")
+            "timings_ms": {k: round(t[k] * 1e3, 1) for k in ("precopy", "paused", "capture", "seal", "publish")}}
+    out.result(data, f"snapshot {snapshot_id} (pre-copy while running {t['precopy'] * 1e3:.0f} ms; guest paused "
+                     f"{t['paused'] * 1e3:.0f} ms; capture {t['capture'] * 1e3:.0f} ms, seal {t['seal'] * 1e3:.0f} ms, "
+                     f"publish {t['publish'] * 1e3:.0f} ms)")
     return 0
 
 

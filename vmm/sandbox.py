@@ -422,10 +422,17 @@ class Sandboxes:
     def _snapshot(self, sid: str, resume: bool | None, *, implicit: str = "") -> str:
         sandbox = self.get(sid)
         record = sandbox.record
+        running = record.state == "running"
         if resume is None:
-            resume = record.state == "running"
+            resume = running
         record.operation = "snapshot"
         self.registry.save(record)
+        try:
+            timings = self._precopy(sandbox) if running else {"precopy": 0.0}
+        except BaseException:  # nothing paused yet: the sandbox runs on as it was
+            record.operation = ""
+            self.registry.save(record)
+            raise
         # Hang up on the agent first: the guest then stops writing to its
         # port (a snapshot taken with guest output in flight restored with a
         # port that took no more input), and streams re-attach after.
@@ -433,7 +440,7 @@ class Sandboxes:
         paused = time.monotonic()
         sandbox.vm.pause()
         try:
-            timings = self._capture(sandbox)
+            timings.update(self._capture(sandbox))
             if resume:  # the sealed generations are frozen: the guest writes to new ones while they publish
                 sandbox.vm.resume()
             timings["paused"] = time.monotonic() - paused
@@ -475,6 +482,26 @@ class Sandboxes:
             return
         log.info("deleted snapshot %s of sandbox %s (%s): nothing needs it any more", snapshot_id,
                  notes.get("sandbox"), notes["implicit"])
+
+    def _precopy(self, sandbox: Sandbox) -> dict[str, float]:
+        """While the guest still runs: its dirty RAM written back, and the RAM
+        and disk upper layers sealed and published, as a live migration
+        copies memory before it stops the VM. The pause that follows then
+        writes back, seals and publishes only what the guest changed in the
+        meantime: a few chunks instead of tens (~35 MiB of RAM chunks composed
+        and hashed for a guest idling between two snapshots), which were
+        most of an incremental snapshot's pause to published. The price is
+        a second layer per snapshot (pages changed in both windows are
+        stored twice) and the snapshot call's own time."""
+        t0 = time.monotonic()
+        sid = sandbox.sid
+        self._flush_memory(sid)
+        self._flush_mount()
+        self.client.seal(sid)
+        self.client.seal(memory_sid(sid))
+        self.client.await_seal(sid)
+        self.client.await_seal(memory_sid(sid))
+        return {"precopy": time.monotonic() - t0}
 
     def _capture(self, sandbox: Sandbox) -> dict[str, float]:
         """The part of a snapshot that needs the guest paused: device state
