@@ -494,13 +494,9 @@ class Sandboxes:
         a second layer per snapshot (pages changed in both windows are
         stored twice) and the snapshot call's own time."""
         t0 = time.monotonic()
-        sid = sandbox.sid
-        self._flush_memory(sid)
-        self._flush_mount()
-        self.client.seal(sid)
-        self.client.seal(memory_sid(sid))
-        self.client.await_seal(sid)
-        self.client.await_seal(memory_sid(sid))
+        self._seal_layers(sandbox.sid)
+        self.client.await_seal(sandbox.sid)
+        self.client.await_seal(memory_sid(sandbox.sid))
         return {"precopy": time.monotonic() - t0}
 
     def _capture(self, sandbox: Sandbox) -> dict[str, float]:
@@ -509,11 +505,17 @@ class Sandboxes:
         switch to new generations; publication goes on in the background)."""
         t0 = time.monotonic()
         sandbox.vm.save_state(sandbox.workdir / "state")
-        self._flush_memory(sandbox.sid)  # the guest's RAM pages dirty in the page cache reach the upper layer first
-        self._flush_mount()
-        self.client.seal(sandbox.sid)
-        self.client.seal(memory_sid(sandbox.sid))
+        self._seal_layers(sandbox.sid)
         return {"capture": time.monotonic() - t0}
+
+    def _seal_layers(self, sid: str) -> None:
+        """Seal the disk and RAM upper layers (publication goes on in the
+        background), the guest's RAM pages dirty in the page cache written
+        back into their upper layer first."""
+        self._flush_memory(sid)
+        self._flush_mount()
+        self.client.seal(sid)
+        self.client.seal(memory_sid(sid))
 
     def _publish(self, sandbox: Sandbox, implicit: str, timings: dict[str, float]) -> str:
         """The rest, which the guest need not wait for: the seals published,
