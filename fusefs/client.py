@@ -24,9 +24,9 @@ from layerstore.unixsock import connect_unix
 
 from .control import MountSettings, check_mountpoint, control_socket
 from .protocol import (AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DaemonError, DiskInfo, DiskRemoved, ListDisks,
-                       MountStats, Pin, Pinned, Ping, Pong, PrefetchRecorded, R, RecordPrefetch, RemoveDisk,
-                       Request, Seal, Sealed, Shutdown, ShuttingDown, Stats, Unpin, Unpinned, decode_reply,
-                       encode_request)
+                       MountStats, Pin, Pinned, Ping, Pong, Prefetch, PrefetchRecorded, PrefetchStarted, R,
+                       RecordPrefetch, RemoveDisk, Request, Seal, Sealed, Shutdown, ShuttingDown, Stats, Unpin,
+                       Unpinned, decode_reply, encode_request)
 
 __all__ = ["DaemonError", "MountClient", "clear_stale_mount", "mount", "umount"]
 
@@ -110,6 +110,10 @@ class MountClient:
 
     def record_prefetch(self, image: str) -> PrefetchRecorded:
         return self.request(RecordPrefetch(image))
+
+    def prefetch(self, manifest: str) -> PrefetchStarted:
+        """Start fetching layer `manifest`'s recorded working set (returns at once)."""
+        return self.request(Prefetch(manifest))
 
     def cache_drop(self) -> CacheDropped:
         return self.request(CacheDrop())

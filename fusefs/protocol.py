@@ -131,6 +131,11 @@ class PrefetchRecorded(Reply):
 
 
 @dataclass(frozen=True)
+class PrefetchStarted(Reply):
+    manifest: str
+
+
+@dataclass(frozen=True)
 class CacheDropped(Reply):
     freed: int  # bytes
 
@@ -227,6 +232,16 @@ class RecordPrefetch(Request[PrefetchRecorded]):
 
 
 @dataclass(frozen=True)
+class Prefetch(Request[PrefetchStarted]):
+    """Start fetching a layer's recorded working set, as its first open
+    would: a VMM names a snapshot's device state before starting the VM
+    that will read it first."""
+
+    reply = PrefetchStarted
+    manifest: str
+
+
+@dataclass(frozen=True)
 class CacheDrop(Request[CacheDropped]):
     reply = CacheDropped
 
@@ -249,7 +264,7 @@ class Shutdown(Request[ShuttingDown]):
 
 
 REQUESTS: tuple[type[Request[Any]], ...] = (Ping, Stats, CreateDisk, ListDisks, RemoveDisk, Seal, AwaitSeal,
-                                            RecordPrefetch, CacheDrop, Pin, Unpin, Shutdown)
+                                            RecordPrefetch, Prefetch, CacheDrop, Pin, Unpin, Shutdown)
 
 
 def op_name(cls: type[Request[Any]]) -> str:

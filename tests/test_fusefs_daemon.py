@@ -7,6 +7,7 @@ prefetched and merged by the next."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from fusefs.cache import ChunkCache
 from fusefs.daemon import Catalogue
 from layerstore.errors import BackendUnavailable, NotFound
 from layerstore.importer import import_image
+from layerstore.refs import parse_ref
 from layerstore.squash import depth
 from layerstore.store import open_store
 from tests.images import MiB, write_image
@@ -140,3 +142,37 @@ def test_a_layers_working_set_is_recorded_on_first_use_and_prefetched_and_merged
             store.get_prefetch(manifest) == [5, 2, 3, 7]  # merged, capped at half the layer
     finally:
         second.close()
+
+
+def test_a_working_set_is_capped_by_the_layers_size_not_by_what_it_stores(tmp_path: Path) -> None:
+    """A guest's RAM layer stores little beyond what the guest used, and a
+    restore reads most of that: capped at half of its stored chunks, the
+    rest were fetched one by one, each as the guest faulted on it."""
+    store = open_store(str(tmp_path / "store"))
+    write_image(tmp_path / "ram.img", "rrrzzzzz", chunk=CS)  # 3 of 8 slots stored
+    manifest = import_image(store, tmp_path / "ram.img", "ram:v1", chunk_size=CS).manifest_id
+    cat = Catalogue(store, ChunkCache(tmp_path / "cache", capacity=64 * MiB), tmp_path / "uppers",
+                    record_window=0.3, record_share=0.5)
+    try:
+        upper = cat.create_sandbox("sb1", image="ram:v1")
+        for index in (1, 0, 2):
+            upper.read(index * CS, 10)
+        assert wait_for(lambda: store.get_prefetch(manifest)) == [1, 0, 2]  # was [1]: half of 3
+    finally:
+        cat.close()
+
+
+def test_opening_a_layer_leaves_the_store_read_of_its_set_to_a_prefetch_thread(cat: Catalogue,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FUSE event loop opens files: a store read there (a round trip on
+    S3) would hold up every request of the mount until it answered."""
+    readers: list[str] = []
+    get_prefetch = cat.store.get_prefetch
+
+    def recording(manifest_id: str) -> list[int] | None:
+        readers.append(threading.current_thread().name)
+        return get_prefetch(manifest_id)
+
+    monkeypatch.setattr(cat.store, "get_prefetch", recording)
+    cat.start_prefetch(cat.view_for_ref(parse_ref("base:v1")))
+    assert wait_for(lambda: readers) and readers[0].startswith("strata-prefetch")

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,6 +22,7 @@ from fusefs.control import control_socket
 from layerstore.config import default_run_dir
 from layerstore import errors
 from layerstore.errors import InvalidInput, NotFound, StrataError
+from layerstore.refs import parse_ref
 from tests.images import MiB, write_image
 
 SEAL = p.SealState("done", manifest="ab" * 32)
@@ -28,14 +30,16 @@ DISK = p.DiskInfo(sid="sb1", base="cd" * 32, size=4 * MiB, dirty_chunks=2, layer
                   path="/mnt/sandboxes/sb1/disk.img")
 REQUESTS = [p.Ping(), p.Stats(), p.CreateDisk("sb1", image="base:v1"), p.CreateDisk("sb1", manifest="cd" * 32),
             p.ListDisks(), p.RemoveDisk("sb1"), p.Seal("sb1", wait=True), p.Seal("sb1"), p.AwaitSeal("sb1"),
-            p.RecordPrefetch("base:v1"), p.CacheDrop(), p.Pin("base:v1"), p.Unpin("base:v1"), p.Shutdown()]
+            p.RecordPrefetch("base:v1"), p.Prefetch("cd" * 32), p.CacheDrop(), p.Pin("base:v1"), p.Unpin("base:v1"),
+            p.Shutdown()]
 REPLIES = [p.Pong(pid=7, mountpoint="/mnt", store="local:/s", uptime=1.5),
            p.MountStats(cache={"size": 1, "hits": 2}, fetches=3, memory_hits=4, sources={"local": 3}, disks=1,
                         open_files=0),
            DISK, dataclasses.replace(DISK, last_seal=None), p.DiskList([DISK]), p.DiskList([]), p.DiskRemoved("sb1"),
            p.Sealed(sid="sb1", dirty_chunks=2, switch_ms=0.25, manifest=None),
            p.Sealed(sid="sb1", dirty_chunks=2, switch_ms=0.25, manifest="ab" * 32),
-           p.PrefetchRecorded(image="base:v1", manifest="cd" * 32, chunks=9), p.CacheDropped(freed=1 << 20),
+           p.PrefetchRecorded(image="base:v1", manifest="cd" * 32, chunks=9), p.PrefetchStarted(manifest="cd" * 32),
+           p.CacheDropped(freed=1 << 20),
            p.Pinned(image="base:v1", chunks=4, cached=4), p.Unpinned(image="base:v1"), p.ShuttingDown(pid=7),
            p.SealState("failed", error="store unreachable"), p.SealState("publishing")]
 
@@ -205,6 +209,22 @@ def test_handlers_answer_typed_replies(daemon: Any) -> None:
     assert ask(daemon, p.ListDisks()).disks[0].last_seal == p.SealState("done", manifest=sealed.manifest)
     assert ask(daemon, p.RemoveDisk("sb1")) == p.DiskRemoved("sb1")
     assert ask(daemon, p.ListDisks()).disks == []
+
+
+def test_prefetch_fetches_a_layers_recorded_set_before_anything_opens_it(daemon: Any) -> None:
+    """A VMM names a snapshot's device state before QEMU starts: its set is
+    fetched in the background, and only its set."""
+    store, cat = daemon.cat.store, daemon.cat
+    manifest = store.resolve(parse_ref("base:v1"))
+    digests = store.chunk_map(manifest)[1]
+    store.put_prefetch(manifest, [2])
+    assert ask(daemon, p.Prefetch(manifest)) == p.PrefetchStarted(manifest=manifest)
+    deadline = time.monotonic() + 10
+    while not cat.cache.contains(digests[2]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cat.cache.contains(digests[2]) and not cat.cache.contains(digests[0])
+    with pytest.raises(NotFound):
+        ask(daemon, p.Prefetch("ef" * 32))
 
 
 def test_domain_errors_keep_their_class_through_the_daemon(daemon: Any) -> None:

@@ -266,12 +266,18 @@ class Sandboxes:
         return rows
 
     def _start(self, record: SandboxRecord, spec: VmSpec, disk: dict[str, str], memory_layer: str, *,
-               keep_record: bool = False) -> Sandbox:
+               keep_record: bool = False, state_layer: str | None = None) -> Sandbox:
         """Create the sandbox's disk (over `disk`: {"image": ...} or
         {"manifest": ...}) and RAM upper layers, start the VM; on failure
-        remove all of it (and the record, unless it predates this start: a wake)."""
+        remove all of it (and the record, unless it predates this start: a wake).
+
+        A restore's device state (`state_layer`) is what QEMU reads first:
+        its working set is asked for before anything else, so that it is
+        not fetched only when QEMU opens the file and waits on it."""
         work = self.registry.workdir(record.sid)
         try:
+            if state_layer is not None:
+                self.client.prefetch(state_layer)
             self.client.create_disk(record.sid, **disk)
             self.client.create_disk(memory_sid(record.sid), manifest=memory_layer, volatile=True)
             self.registry.save(record)
@@ -586,7 +592,7 @@ class Sandboxes:
             work = self.registry.workdir(sid)
             self.registry.save(record)
             return self._start(record, self._restore_spec(snapshot_id, snap, work), {"manifest": snap.layers["disk"]},
-                               snap.layers["memory"])
+                               snap.layers["memory"], state_layer=snap.layers["state"])
 
     def _restore_spec(self, snapshot_id: str, snap: Snapshot, work: Path) -> VmSpec:
         served = self.mount / "snapshots" / snapshot_id
@@ -628,7 +634,8 @@ class Sandboxes:
             (work / "state").unlink(missing_ok=True)  # left over from before the suspend
             try:
                 return self._start(record, self._restore_spec(record.last_snapshot, snap, work),
-                                   {"manifest": snap.layers["disk"]}, snap.layers["memory"], keep_record=True)
+                                   {"manifest": snap.layers["disk"]}, snap.layers["memory"], keep_record=True,
+                                   state_layer=snap.layers["state"])
             except BaseException:
                 record.state, record.suspended_at = "suspended", time.time()
                 self.registry.save(record)
