@@ -6,7 +6,9 @@
 2. otherwise the store: `Store.read_chunk` fetches, decompresses and checks
    the blake3 digest (a corrupt object raises CorruptObject, never returns
    data), then the bytes go into the cache. A chunk stored in a pack is
-   rebuilt from its entry and base, as the views told the fetcher (`learn`).
+   rebuilt from its entry and base, as the views told the fetcher (`learn`),
+   or, if its layer's working set stored it again whole (`learn_whole`),
+   from that entry alone: no base to fetch.
 
 Concurrent readers of the same missing chunk share one fetch (single flight):
 the first becomes the leader, the others wait for its result or its error.
@@ -22,9 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Mapping
 
 from layerstore.digest import digest_bytes
-from layerstore.errors import MissingChunk
+from layerstore.errors import CorruptObject, MissingChunk
 from layerstore.lru import Lru
 from layerstore.manifest import Packed
+from layerstore.pack import decode_entry
 from layerstore.store import Store
 
 from .cache import ChunkCache
@@ -50,6 +53,7 @@ class ChunkFetcher:
         self._lock = threading.Lock()
         self._packed: dict[str, Packed] = {}  # where packed chunks are (digest -> pack entry)
         self._bases: set[str] = set()  # digests some entry is stored over: whole objects
+        self._whole: dict[str, bytes] = {}  # working-set chunks as entries over no base, until read once
         self._inflight: dict[str, Future[bytes]] = {}
         # Chunks fetched recently, kept whole in memory: the kernel reads a
         # 1 MiB chunk in 128 KiB requests, and all but the first are served
@@ -72,6 +76,18 @@ class ChunkFetcher:
             self._packed.update(packed)
             self._bases.update(p.base for p in packed.values() if p.base is not None)
 
+    def learn_whole(self, entries: Mapping[str, bytes]) -> None:
+        """Entries over no base for chunks a working set is about to prefetch
+        (Store.get_set_chunks); each is used once, by the fetch of its chunk."""
+        with self._lock:
+            self._whole.update(entries)
+
+    def packed_base(self, digest: str) -> str | None:
+        """The base a served layer's packed chunk is rebuilt on (None: whole, or over zeros)."""
+        with self._lock:
+            where = self._packed.get(digest)
+        return where.base if where is not None and where.base != digest else None
+
     def _from_store(self, digest: str) -> bytes:
         """A base is always a whole object (pack.py): it is read as one even
         if some layer also packs the same content, so a rebuild never waits
@@ -82,6 +98,12 @@ class ChunkFetcher:
         with self._lock:
             where = self._packed.get(digest)
             is_base = digest in self._bases
+            whole = self._whole.pop(digest, None)
+        if whole is not None:
+            try:
+                return decode_entry(digest, whole, None)  # verified like any entry
+            except CorruptObject as exc:
+                log.warning("working-set copy of chunk %s unusable, reading it as its layer says: %s", digest, exc)
         if not is_base:
             return self.store.read_chunk(digest, where, read_base=self.read)  # the base through the cache
         try:
@@ -150,6 +172,8 @@ class ChunkFetcher:
         """Empty the in-memory set (the cache was dropped: a read after it
         must not be served from a copy the node was asked to let go of)."""
         self._memory.clear()
+        with self._lock:
+            self._whole.clear()
 
     def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes:
         """Bytes [offset, offset+length) of chunk `digest` (whole chunk if length < 0)."""
@@ -233,6 +257,8 @@ class ChunkFetcher:
         rebuild from their pack and a cache write each, was most of the
         mount's fetches during a VM snapshot (187 of 265 in 9 snapshots)."""
         if digest in self._memory or self.cache.contains(digest) or digest in self._unwritten:
+            with self._lock:
+                self._whole.pop(digest, None)  # not needed: not kept either
             return
         try:
             self.fetch(digest)

@@ -16,8 +16,8 @@ An unmarked object is deleted only when all of these hold:
     - the roots, marked once more right before deleting, still do not reach
       it.
 
-Deletion removes manifests (then what is kept beside them: working sets,
-partial-pull markers) before chunks, so a GC that dies midway leaves
+Deletion removes manifests (then what is kept beside them: working sets
+and their chunks stored whole, partial-pull markers) before chunks, so a GC that dies midway leaves
 unreferenced chunks, never a manifest naming a missing one: the store stays
 valid and the next run finishes the job. `plan` is pure (reads only);
 `collect` runs it, then takes the GC lock and deletes nothing while leases
@@ -42,11 +42,11 @@ from .nodes import cluster_roots
 from .manifest import MANIFEST_PREFIX, manifest_key
 from .pack import PACK_PREFIX, pack_key
 from .reach import Closure, Name
-from .store import PARTIAL_PREFIX, PREFETCH_PREFIX, Store
+from .store import PARTIAL_PREFIX, PREFETCH_PREFIX, SET_CHUNKS_PREFIX, Store
 
 CANDIDATES = "gc/candidates"
 SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX, PACK_PREFIX)
-SIDE_PREFIXES = (PREFETCH_PREFIX, PARTIAL_PREFIX)  # per-manifest objects deleted with their manifest
+SIDE_PREFIXES = (PREFETCH_PREFIX, SET_CHUNKS_PREFIX, PARTIAL_PREFIX)  # per-manifest objects deleted with their manifest
 DEFAULT_GRACE = 24 * 3600.0
 DELETE_BATCH = 1000  # keys per delete_many (S3's DeleteObjects limit)
 DELETE_WORKERS = 8  # delete_many calls in flight: a store with 100 M dead chunks is 100,000 batches

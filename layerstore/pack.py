@@ -11,6 +11,18 @@ seal's chunks in one object, each as the pages that differ from a *base*:
           <bitmap: one bit per PAGE of the chunk, LSB first; 1 = page present>
           <the present pages, in order (a chunk's short last page is short)>
 
+A layer's recorded working set (store.py, `prefetch/`) may have its
+packed chunks stored again beside it, each as one entry over no base,
+so that a restore on another node reads them without their bases:
+
+    prefetch-chunks/<layer id>
+        <u32 little-endian: n> <JSON {"<digest>": [offset, length], ...}: n bytes>
+        <the entries, one after another (offsets count from the end of the JSON)>
+
+It names no object and nothing names it; it is kept and deleted with its
+layer, and every chunk rebuilt from it is checked against the digest the
+layer names, like any entry.
+
 A chunk stored this way keeps its digest: the layer manifest still names the
 chunk's full content `D` and says where to rebuild it (manifest.py,
 `packed`: base chunk, pack, offset, length). Rebuilding takes the base's
@@ -23,13 +35,15 @@ it, and a push copies it, for as long as a layer names the packed chunk.
 
 from __future__ import annotations
 
+import json
 import struct
+from collections.abc import Mapping
 
 import zstandard
 
 from .chunk import DEFAULT_LEVEL, MAX_CHUNK_SIZE
 from .digest import check_digest, digest_bytes
-from .errors import CorruptObject
+from .errors import CorruptObject, InvalidInput
 
 PACK_PREFIX = "packs/"
 PAGE = 4096
@@ -105,6 +119,37 @@ def decode_entry(digest: str, frame: bytes, base: bytes | None) -> bytes:
     if actual != digest:
         raise CorruptObject(f"{what}: rebuilt content hashes to {actual} (corrupt pack or base)")
     return data
+
+
+def encode_entries(entries: Mapping[str, bytes]) -> bytes:
+    """Entries (`encode_entry` frames) by chunk digest, as one object with its index."""
+    index: dict[str, list[int]] = {}
+    at = 0
+    for digest, frame in entries.items():
+        check_digest(digest, what="chunk digest")
+        index[digest] = [at, len(frame)]
+        at += len(frame)
+    head = json.dumps(index, separators=(",", ":")).encode()
+    return b"".join([_HEADER.pack(len(head)), head, *entries.values()])
+
+
+def decode_entries(blob: bytes) -> dict[str, bytes]:
+    """The entries `encode_entries` stored, by digest; CorruptObject if the
+    index does not describe the object (each entry is verified when used)."""
+    try:
+        (n,) = _HEADER.unpack_from(blob)
+        index = json.loads(blob[_HEADER.size:_HEADER.size + n])
+        body = _HEADER.size + n
+        out = {}
+        for digest, (offset, length) in index.items():
+            check_digest(digest, what="chunk digest")
+            if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                    and 0 < length <= MAX_ENTRY and body + offset + length <= len(blob)):
+                raise ValueError(f"entry of {digest} out of range")
+            out[digest] = blob[body + offset:body + offset + length]
+        return out
+    except (struct.error, ValueError, TypeError, AttributeError, InvalidInput) as exc:
+        raise CorruptObject(f"working-set entries: malformed object ({exc})") from None
 
 
 class PackWriter:

@@ -10,6 +10,7 @@ order that keeps readers safe:
     refs/<name>/<tag>       {"manifest": id, ...} (layerstore/refs.py)
     templates/<name>        template (layerstore/templates.py)
     prefetch/<manifest id>  JSON list of chunk indices a sandbox reads first
+    prefetch-chunks/<manifest id>  the packed ones among them, whole (layerstore/pack.py)
 
 1. chunks and packs are put (durable when `put` returns);
 2. a manifest is put only after the backend confirms every chunk and pack it
@@ -45,6 +46,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,13 +60,16 @@ from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, Packed, flatten, flatten_packed, manifest_key, parse_manifest
 from .lru import Lru
-from .pack import PackWriter, decode_entry, pack_key
+from .pack import PackWriter, decode_entries, decode_entry, encode_entries, pack_key
 from .readthrough import Fallback, ReadThroughBackend
 from .refs import REF_PREFIX, Ref, decode_ref_owner, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
 from .templates import Template, parse_template, template_key
 
+log = logging.getLogger("strata.store")
+
 PREFETCH_PREFIX = "prefetch/"
+SET_CHUNKS_PREFIX = "prefetch-chunks/"  # a working set's packed chunks, each over no base (pack.py)
 PARTIAL_PREFIX = "partial/"  # a manifest published by a manifests-only pull: some chunks it names are elsewhere
 PACK_CACHE = 64 << 20  # bytes of recently read packs a Store keeps
 PARSED_ENTRIES = 1 << 18  # chunk entries of parsed manifests a Store keeps in memory
@@ -73,6 +78,11 @@ PARSED_ENTRIES = 1 << 18  # chunk entries of parsed manifests a Store keeps in m
 def _prefetch_key(manifest_id: str) -> str:
     check_digest(manifest_id, what="manifest id")
     return f"{PREFETCH_PREFIX}{manifest_id}"
+
+
+def _set_chunks_key(manifest_id: str) -> str:
+    check_digest(manifest_id, what="manifest id")
+    return f"{SET_CHUNKS_PREFIX}{manifest_id}"
 
 
 def _partial_key(manifest_id: str) -> str:
@@ -385,6 +395,28 @@ class Store:
         """Record the chunk indices a sandbox of this layer reads first (prefetched on mount, pulled
         by `pull --prefetch`)."""
         self.backend.put(_prefetch_key(manifest_id), json.dumps([int(i) for i in indices]).encode())
+
+    def get_set_chunks(self, manifest_id: str) -> dict[str, bytes]:
+        """The layer's working-set chunks stored whole (`put_set_chunks`): an
+        entry over no base by digest, {} if there are none. A malformed
+        object counts as none: it only costs the bases they save."""
+        try:
+            return decode_entries(self.backend.get(_set_chunks_key(manifest_id)))
+        except NotFound:
+            return {}
+        except CorruptObject as exc:
+            log.warning("layer %s: %s", manifest_id, exc)
+            return {}
+
+    def has_set_chunks(self, manifest_id: str) -> bool:
+        return self.backend.stat(_set_chunks_key(manifest_id)) is not None
+
+    def put_set_chunks(self, manifest_id: str, entries: Mapping[str, bytes]) -> None:
+        """Store packed chunks of the layer's working set again, each as an
+        entry over no base (`encode_entry(data, None)`), in one object beside
+        the set: a restore on another node then reads them without fetching
+        the base each was packed over. Deleted by GC with the layer."""
+        self.backend.put(_set_chunks_key(manifest_id), encode_entries(entries))
 
     # templates ------------------------------------------------------------------
     def put_template(self, template: Template) -> None:

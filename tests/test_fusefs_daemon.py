@@ -176,3 +176,59 @@ def test_opening_a_layer_leaves_the_store_read_of_its_set_to_a_prefetch_thread(c
     monkeypatch.setattr(cat.store, "get_prefetch", recording)
     cat.start_prefetch(cat.view_for_ref(parse_ref("base:v1")))
     assert wait_for(lambda: readers) and readers[0].startswith("strata-prefetch")
+
+
+def test_a_working_sets_packed_chunks_are_stored_whole_and_restored_without_their_bases(tmp_path: Path) -> None:
+    """A snapshot's RAM packs what a restore reads over older versions: the
+    first node to record the set stores those chunks again whole, and the
+    next node's prefetch reads them without fetching a base. A broken copy
+    only costs the bases again: what is served is verified either way."""
+    store = open_store(str(tmp_path / "store"))
+    write_image(tmp_path / "base.img", "rrrr", chunk=CS)
+    import_image(store, tmp_path / "base.img", "base:v1", chunk_size=CS)
+
+    def node(name: str) -> Catalogue:
+        return Catalogue(store, ChunkCache(tmp_path / name, capacity=64 * MiB), tmp_path / f"uppers-{name}",
+                         record_window=0.3, record_share=1.0)
+
+    first = node("a")
+    try:
+        upper = first.create_sandbox("src", image="base:v1")
+        for index in (1, 2):
+            upper.write(index * CS + 4096, b"changed" * 100)  # a page each: packed over the image's chunk
+        manifest = first.seal("src", wait=True).manifest
+        layer = store.get_layer(manifest)
+        assert sorted(layer.packed) and all(p.base is not None for p in layer.packed.values())
+        restored = first.create_sandbox("restored", manifest=manifest)
+        expected = {i: restored.read(i * CS, CS) for i in (2, 1, 0)}
+        assert wait_for(lambda: store.get_prefetch(manifest)) == [2, 1, 0]
+        assert wait_for(lambda: store.get_set_chunks(manifest))
+    finally:
+        first.close()
+    whole = store.get_set_chunks(manifest)
+    digests = store.chunk_map(manifest)[1]
+    assert set(whole) == {digests[1], digests[2]}  # the packed ones; chunk 0 is the image's own
+    bases = {layer.packed[i].base for i in (1, 2)}
+
+    second = node("b")
+    try:
+        second.create_sandbox("sb", manifest=manifest)
+        assert wait_for(lambda: all(second.cache.contains(digests[i]) for i in (0, 1, 2)))
+        second.fetcher.flush()
+        assert not any(second.cache.contains(b) for b in bases)  # no base fetched
+        assert second.fetcher.fetches == 3
+        assert all(second.view_for_manifest(manifest).read(i * CS, CS) == expected[i] for i in (0, 1, 2))
+    finally:
+        second.close()
+
+    broken = {d: e[:-8] for d, e in whole.items()}  # torn entries: refused, then read as the layer says
+    store.put_set_chunks(manifest, broken)
+    third = node("c")
+    try:
+        third.create_sandbox("sb", manifest=manifest)
+        assert wait_for(lambda: all(third.cache.contains(digests[i]) for i in (0, 1, 2)))
+        assert all(third.view_for_manifest(manifest).read(i * CS, CS) == expected[i] for i in (0, 1, 2))
+        third.fetcher.flush()
+        assert all(third.cache.contains(b) for b in bases)
+    finally:
+        third.close()

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from layerstore import gc, nodes
 from layerstore.errors import BackendUnavailable, Conflict, InvalidInput, StrataError
+from layerstore.digest import digest_bytes
+from layerstore.pack import encode_entry
 from layerstore.reach import Name
 from layerstore.exporter import export_image
 from layerstore.importer import import_image
@@ -69,11 +71,16 @@ def test_a_layers_working_set_goes_with_it(store: Store, tmp_path: Path) -> None
     dead = next(k for k in doomed if k.startswith("manifests/")).removeprefix("manifests/")
     store.put_prefetch(dead, [0, 1])
     store.put_prefetch(kept, [1])
+    whole = {digest_bytes(b"w" * 4096): encode_entry(b"w" * 4096, None)}
+    store.put_set_chunks(dead, whole)
+    store.put_set_chunks(kept, whole)
     later = time.time() + 2 * HOUR
     gc.collect(store, grace=HOUR, now=later)
     assert gc.collect(store, grace=HOUR, now=later + 2 * HOUR).deleted == len(doomed)  # side objects uncounted
     assert store.get_prefetch(dead) is None and store.get_prefetch(kept) == [1]
     assert keys(store, "prefetch/") == {f"prefetch/{kept}"}
+    assert store.get_set_chunks(dead) == {} and store.get_set_chunks(kept) == whole
+    assert keys(store, "prefetch-chunks/") == {f"prefetch-chunks/{kept}"}
 
 
 def test_dry_run_changes_nothing(store: Store, tmp_path: Path) -> None:

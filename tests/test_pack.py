@@ -19,7 +19,8 @@ from layerstore.digest import digest_bytes
 from layerstore.errors import CorruptObject, MissingChunk
 from layerstore.exporter import export_image
 from layerstore.manifest import Layer, Packed, canonical_json, parse_manifest
-from layerstore.pack import PAGE, PackWriter, changed_pages, decode_entry, encode_entry, pack_key
+from layerstore.pack import (PAGE, PackWriter, changed_pages, decode_entries, decode_entry, encode_entries, encode_entry,
+                             pack_key)
 from layerstore.squash import squash
 from layerstore.store import Store, inspect_image
 from layerstore.transfer import copy
@@ -66,6 +67,25 @@ def test_an_entry_that_does_not_rebuild_to_its_digest_is_refused() -> None:
         decode_entry(digest, encode_chunk(b"\x00" * 4 + b"\xff" * 32 + b"short"), base)  # bitmap says more pages
     with pytest.raises(CorruptObject, match="hashes to"):
         decode_entry(digest_bytes(base), entry, base)  # someone else's digest
+
+
+def test_entries_stored_together_come_back_by_digest_and_a_malformed_object_is_refused() -> None:
+    """A working set's packed chunks stored again whole (store.py,
+    `prefetch-chunks/`): one object, an index, entries over no base."""
+    chunks = [changed(bytes(MIB), [1, 9], seed=1), os.urandom(MIB)]
+    entries = {digest_bytes(c): encode_entry(c, None) for c in chunks}
+    blob = encode_entries(entries)
+    assert decode_entries(blob) == entries
+    assert [decode_entry(d, e, None) for d, e in decode_entries(blob).items()] == chunks
+    assert decode_entries(encode_entries({})) == {}
+    head = json.dumps({digest_bytes(chunks[0]): [0, len(blob)]}).encode()
+    for bad in (b"", blob[:2], blob[:-1],  # torn: the last entry runs past the end
+                len(head).to_bytes(4, "little") + head + b"short",  # an entry past the end
+                (5).to_bytes(4, "little") + b"[1,2]",  # not an index
+                (11).to_bytes(4, "little") + b'{"x":[0,1]}',  # not a digest
+                len(blob).to_bytes(4, "little") + blob):  # an index that is not JSON
+        with pytest.raises(CorruptObject, match="working-set entries"):
+            decode_entries(bad)
 
 
 def test_a_manifest_names_packed_chunks_and_refuses_malformed_entries() -> None:
