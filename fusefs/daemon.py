@@ -44,7 +44,7 @@ from .cache import ChunkCache
 from .control import MountSettings, check_mountpoint, check_sid, control_socket
 from .fetch import ChunkFetcher
 from .fs import StrataFS
-from .malloc import keep_freed_memory
+from .malloc import keep_freed_memory, warm_heap
 from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved,
                        Handlers, ListDisks, MountStats, Pin, Pinned, Ping, Pong, Prefetch, PrefetchRecorded,
                        PrefetchStarted, RecordPrefetch, RemoveDisk, Seal, Sealed, SealState, Shutdown, ShuttingDown,
@@ -587,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ready_file = os.fdopen(args.ready_fd, "w") if args.ready_fd is not None else None
-    keep_freed_memory()  # chunk-sized buffers come and go on the event loop: no page faults for each
+    if keep_freed_memory():  # chunk-sized buffers come and go on the event loop: no page faults for each
+        warm_heap(RECENT)  # and the first cold restore's chunks land in pages already mapped
 
     def ready() -> None:
         if ready_file is not None:
