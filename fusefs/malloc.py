@@ -7,8 +7,7 @@ buffers all the time (a chunk decompressed, composed, sliced into a read
 reply), so on its main thread every one of them page-faulted in again:
 480 faults and 1.4 ms to copy 1 MiB twice, against 3 faults and 0.09 ms
 with the thresholds raised (measured here, a PVM guest, where a fault
-costs ~3 us). Worker threads are spared by their arenas; the event loop
-that answers FUSE reads is not.
+costs ~3 us).
 
 The cost: up to `trim` bytes of freed memory stay mapped to the process.
 

@@ -225,6 +225,8 @@ def test_prefetch_fetches_a_layers_recorded_set_before_anything_opens_it(daemon:
     assert cat.cache.contains(digests[2]) and not cat.cache.contains(digests[0])
     with pytest.raises(NotFound):
         ask(daemon, p.Prefetch("ef" * 32))
+    with pytest.raises(InvalidInput, match="manifest id"):
+        ask(daemon, p.Prefetch("../../etc/passwd"))
 
 
 def test_domain_errors_keep_their_class_through_the_daemon(daemon: Any) -> None:
