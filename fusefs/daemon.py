@@ -140,17 +140,17 @@ class Catalogue:
             log.warning("prefetch list of %s unreadable: %s", view.manifest_id, exc)
             return
         digests = [d for d in (view.chunks.get(i) for i in indices) if d is not None]
+        whole: dict[str, bytes] = {}
         if any(self.fetcher.packed_base(d) is not None for d in digests):
             try:  # the set's packed chunks stored again whole: no bases to fetch
                 whole = self.store.get_set_chunks(view.manifest_id)
             except StrataError as exc:
                 log.warning("working-set chunks of %s unreadable: %s", view.manifest_id, exc)
-                whole = {}
             self.fetcher.learn_whole({d: whole[d] for d in digests if d in whole})
         for digest in digests:
             self.schedule_prefetch(digest)
         if self.record_window > 0:
-            timer = threading.Timer(self.record_window, self._record, (view, indices))
+            timer = threading.Timer(self.record_window, self._record, (view, indices, bool(whole)))
             timer.daemon = True
             with self._lock:
                 if self._closed:  # a set read while the mount closed: nothing left to record for
@@ -164,16 +164,17 @@ class Catalogue:
         with self._lock:
             self._prefetched.clear()
 
-    def _record(self, view: LayerView, known: list[int]) -> None:
+    def _record(self, view: LayerView, known: list[int], stored_whole: bool = False) -> None:
         """Publish the layer's working set: what it had, then what the guest
         first read since (prefetches are not reads), at most `record_share`
         of the layer's size in chunks. (Not of its stored chunks: a guest's
         RAM layer stores only what the guest used, and a restore reads most
         of that, 68 of 108 here; capped at 54, the other 14 were fetched one
         by one as the guest faulted on them.) Its packed chunks are stored
-        again whole beside it. Unchanged: no write, unless those are not
-        there yet (a set a pull copied). A failure only costs the next
-        restore its head start."""
+        again whole beside it. Unchanged: no write, unless those were not
+        found whole when the set was read (`stored_whole`: a set a pull
+        copied, an unreadable object). A failure only costs the next restore
+        its head start."""
         seen = set(known)
         merged = known + [i for i in list(view.touched) if i not in seen]
         merged = merged[:max(1, int(-(-view.size // view.chunk_size) * self.record_share))]
@@ -182,7 +183,7 @@ class Catalogue:
         try:
             if merged != known:
                 self.store.put_prefetch(view.manifest_id, merged)
-            elif not packed or self.store.has_set_chunks(view.manifest_id):
+            elif not packed or stored_whole:
                 return
             if packed:
                 self._store_set_chunks(view.manifest_id, packed)

@@ -408,9 +408,6 @@ class Store:
             log.warning("layer %s: %s", manifest_id, exc)
             return {}
 
-    def has_set_chunks(self, manifest_id: str) -> bool:
-        return self.backend.stat(_set_chunks_key(manifest_id)) is not None
-
     def put_set_chunks(self, manifest_id: str, entries: Mapping[str, bytes]) -> None:
         """Store packed chunks of the layer's working set again, each as an
         entry over no base (`encode_entry(data, None)`), in one object beside

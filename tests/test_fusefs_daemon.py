@@ -232,3 +232,12 @@ def test_a_working_sets_packed_chunks_are_stored_whole_and_restored_without_thei
         assert all(third.cache.contains(b) for b in bases)
     finally:
         third.close()
+
+    store.backend.put(f"prefetch-chunks/{manifest}", b"not an index")  # unreadable: counts as none...
+    fourth = node("d")
+    try:
+        fourth.create_sandbox("sb", manifest=manifest)
+        assert wait_for(lambda: all(fourth.cache.contains(digests[i]) for i in (0, 1, 2)))
+        assert wait_for(lambda: store.get_set_chunks(manifest)) == whole  # ...and the set's reader stores it again
+    finally:
+        fourth.close()
