@@ -17,13 +17,14 @@ An unmarked object is deleted only when all of these hold:
       it.
 
 Deletion removes manifests (then what is kept beside them: working sets
-and their chunks stored whole, partial-pull markers) before chunks, so a GC that dies midway leaves
-unreferenced chunks, never a manifest naming a missing one: the store stays
-valid and the next run finishes the job. `plan` is pure (reads only);
-`collect` runs it, then takes the GC lock and deletes nothing while leases
-are live. A dry run is the same `collect` over a `DryRunBackend`, which
-records the writes (lock, deletions, candidates) instead of doing them, so
-it reports what a real run would do through the real run's code.
+and their chunks stored whole, partial-pull markers) before chunks, so a
+GC that dies midway leaves unreferenced chunks, never a manifest naming a
+missing one: the store stays valid and the next run finishes the job.
+`plan` is pure (reads only); `collect` runs it, then takes the GC lock and
+deletes nothing while leases are live. A dry run is the same `collect`
+over a `DryRunBackend`, which records the writes (lock, deletions,
+candidates) instead of doing them, so it reports what a real run would do
+through the real run's code.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from .store import PARTIAL_PREFIX, PREFETCH_PREFIX, SET_CHUNKS_PREFIX, Store
 
 CANDIDATES = "gc/candidates"
 SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX, PACK_PREFIX)
-SIDE_PREFIXES = (PREFETCH_PREFIX, SET_CHUNKS_PREFIX, PARTIAL_PREFIX)  # per-manifest objects deleted with their manifest
+# per-manifest objects deleted with their manifest
+SIDE_PREFIXES = (PREFETCH_PREFIX, SET_CHUNKS_PREFIX, PARTIAL_PREFIX)
 DEFAULT_GRACE = 24 * 3600.0
 DELETE_BATCH = 1000  # keys per delete_many (S3's DeleteObjects limit)
 DELETE_WORKERS = 8  # delete_many calls in flight: a store with 100 M dead chunks is 100,000 batches
