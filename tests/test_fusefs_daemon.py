@@ -19,7 +19,7 @@ from layerstore.errors import BackendUnavailable, NotFound
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
 from layerstore.squash import depth
-from layerstore.store import open_store
+from layerstore.store import Store, open_store
 from tests.images import MiB, write_image
 
 CS = 64 * 1024
@@ -105,6 +105,12 @@ def wait_for(check, timeout: float = 10.0):  # noqa: ANN001, ANN201
     return check()
 
 
+def recording_node(store: Store, tmp_path: Path, name: str, *, record_share: float) -> Catalogue:
+    """A node of its own (cache, uppers) over `store`, recording sets after 0.3 s."""
+    return Catalogue(store, ChunkCache(tmp_path / name, capacity=64 * MiB), tmp_path / f"uppers-{name}",
+                     record_window=0.3, record_share=record_share)
+
+
 def test_a_layers_working_set_is_recorded_on_first_use_and_prefetched_and_merged_after(tmp_path: Path) -> None:
     """The first sandbox over a layer records what it read (fast path too) in
     first-read order; the next node's sandbox prefetches exactly that before
@@ -113,11 +119,7 @@ def test_a_layers_working_set_is_recorded_on_first_use_and_prefetched_and_merged
     write_image(tmp_path / "base.img", "rrrrrrrr", chunk=CS)
     manifest = import_image(store, tmp_path / "base.img", "base:v1", chunk_size=CS).manifest_id
 
-    def node(name: str) -> Catalogue:
-        return Catalogue(store, ChunkCache(tmp_path / name, capacity=64 * MiB), tmp_path / f"uppers-{name}",
-                         record_window=0.3, record_share=0.5)
-
-    first = node("a")
+    first = recording_node(store, tmp_path, "a", record_share=0.5)
     try:
         upper = first.create_sandbox("sb1", image="base:v1")
         for index in (5, 2, 5):
@@ -130,7 +132,7 @@ def test_a_layers_working_set_is_recorded_on_first_use_and_prefetched_and_merged
     finally:
         first.close()
 
-    second = node("b")  # another node, an empty cache
+    second = recording_node(store, tmp_path, "b", record_share=0.5)  # another node, an empty cache
     try:
         upper = second.create_sandbox("sb2", image="base:v1")  # prefetch starts before any read
         digests = store.chunk_map(manifest)[1]
@@ -187,11 +189,7 @@ def test_a_working_sets_packed_chunks_are_stored_whole_and_restored_without_thei
     write_image(tmp_path / "base.img", "rrrr", chunk=CS)
     import_image(store, tmp_path / "base.img", "base:v1", chunk_size=CS)
 
-    def node(name: str) -> Catalogue:
-        return Catalogue(store, ChunkCache(tmp_path / name, capacity=64 * MiB), tmp_path / f"uppers-{name}",
-                         record_window=0.3, record_share=1.0)
-
-    first = node("a")
+    first = recording_node(store, tmp_path, "a", record_share=1.0)
     try:
         upper = first.create_sandbox("src", image="base:v1")
         for index in (1, 2):
@@ -210,7 +208,7 @@ def test_a_working_sets_packed_chunks_are_stored_whole_and_restored_without_thei
     assert set(whole) == {digests[1], digests[2]}  # the packed ones; chunk 0 is the image's own
     bases = {layer.packed[i].base for i in (1, 2)}
 
-    second = node("b")
+    second = recording_node(store, tmp_path, "b", record_share=1.0)
     try:
         second.create_sandbox("sb", manifest=manifest)
         assert wait_for(lambda: all(second.cache.contains(digests[i]) for i in (0, 1, 2)))
@@ -223,7 +221,7 @@ def test_a_working_sets_packed_chunks_are_stored_whole_and_restored_without_thei
 
     broken = {d: e[:-8] for d, e in whole.items()}  # torn entries: refused, then read as the layer says
     store.put_set_chunks(manifest, broken)
-    third = node("c")
+    third = recording_node(store, tmp_path, "c", record_share=1.0)
     try:
         third.create_sandbox("sb", manifest=manifest)
         assert wait_for(lambda: all(third.cache.contains(digests[i]) for i in (0, 1, 2)))
@@ -234,7 +232,7 @@ def test_a_working_sets_packed_chunks_are_stored_whole_and_restored_without_thei
         third.close()
 
     store.backend.put(f"prefetch-chunks/{manifest}", b"not an index")  # unreadable: counts as none...
-    fourth = node("d")
+    fourth = recording_node(store, tmp_path, "d", record_share=1.0)
     try:
         fourth.create_sandbox("sb", manifest=manifest)
         assert wait_for(lambda: all(fourth.cache.contains(digests[i]) for i in (0, 1, 2)))
