@@ -178,8 +178,7 @@ class Catalogue:
         seen = set(known)
         merged = known + [i for i in list(view.touched) if i not in seen]
         merged = merged[:max(1, int(-(-view.size // view.chunk_size) * self.record_share))]
-        packed = [d for d in dict.fromkeys(view.chunks[i] for i in merged if i in view.chunks)
-                  if self.fetcher.packed_base(d) is not None]
+        packed = self._packed_in(view, merged)
         try:
             if merged != known:
                 self.store.put_prefetch(view.manifest_id, merged)
@@ -190,16 +189,23 @@ class Catalogue:
         except StrataError as exc:
             log.warning("recording the working set of %s: %s", view.manifest_id, exc)
 
+    def _packed_in(self, view: LayerView, indices: list[int]) -> list[str]:
+        """The set's chunks that a restore would rebuild over a base, in set order."""
+        return [d for d in dict.fromkeys(view.chunks[i] for i in indices if i in view.chunks)
+                if self.fetcher.packed_base(d) is not None]
+
     def _store_set_chunks(self, manifest_id: str, packed: list[str]) -> None:
         """Store the set's packed chunks again, whole, beside it (up to
         `SET_CHUNKS_MAX` compressed bytes, in set order). A snapshot's RAM
         layer packs most chunks a restore reads over an older version (its
         base): a cold restore fetched ~30 bases for ~40 such chunks, each
-        decompressed and hashed whole, on top of the set itself."""
+        decompressed and hashed whole, on top of the set itself. Read
+        without being remembered: the restore that used them is long past,
+        and they would push the chunks in use out of the fetcher's memory."""
         entries: dict[str, bytes] = {}
         size = 0
         for digest in packed:
-            entry = encode_entry(self.fetcher.read(digest), None, level=self.store.level)
+            entry = encode_entry(self.fetcher.read(digest, remember=False), None, level=self.store.level)
             if size + len(entry) > SET_CHUNKS_MAX:
                 break
             entries[digest] = entry
@@ -211,6 +217,9 @@ class Catalogue:
         view = self.view_for_ref(ref)
         indices = list(view.touched)
         self.store.put_prefetch(view.manifest_id, indices)
+        packed = self._packed_in(view, indices)
+        if packed:  # as an automatic recording does
+            self._store_set_chunks(view.manifest_id, packed)
         return PrefetchRecorded(image=str(ref), manifest=view.manifest_id, chunks=len(indices))
 
     # sandboxes --------------------------------------------------------------

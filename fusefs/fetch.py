@@ -53,7 +53,7 @@ class ChunkFetcher:
         self._lock = threading.Lock()
         self._packed: dict[str, Packed] = {}  # where packed chunks are (digest -> pack entry)
         self._bases: set[str] = set()  # digests some entry is stored over: whole objects
-        self._whole: dict[str, bytes] = {}  # working-set chunks as entries over no base, until read once
+        self._whole: dict[str, bytes | memoryview] = {}  # working-set chunks as entries over no base, until read once
         self._inflight: dict[str, Future[bytes]] = {}
         # Chunks fetched recently, kept whole in memory: the kernel reads a
         # 1 MiB chunk in 128 KiB requests, and all but the first are served
@@ -76,7 +76,7 @@ class ChunkFetcher:
             self._packed.update(packed)
             self._bases.update(p.base for p in packed.values() if p.base is not None)
 
-    def learn_whole(self, entries: Mapping[str, bytes]) -> None:
+    def learn_whole(self, entries: Mapping[str, bytes | memoryview]) -> None:
         """Entries over no base for chunks a working set is about to prefetch
         (Store.get_set_chunks); each is used once, by the fetch of its chunk."""
         with self._lock:
@@ -175,13 +175,15 @@ class ChunkFetcher:
         with self._lock:
             self._whole.clear()
 
-    def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes:
-        """Bytes [offset, offset+length) of chunk `digest` (whole chunk if length < 0)."""
+    def read(self, digest: str, offset: int = 0, length: int = -1, *, remember: bool = True) -> bytes:
+        """Bytes [offset, offset+length) of chunk `digest` (whole chunk if
+        length < 0); one read from the cache is kept in memory only if
+        `remember` (a caller reading many chunks once passes False)."""
         whole = self._recall(digest)
         if whole is None:
             data = self.cache.read(digest, offset, length)
             if data is not None:
-                if offset == 0 and length < 0:  # asked for whole (a seal's base): likely read again soon
+                if remember and offset == 0 and length < 0:  # asked for whole (a seal's base): likely read again soon
                     self._remember(digest, data)
                 return data
             whole = self.fetch(digest)

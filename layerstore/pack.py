@@ -88,7 +88,34 @@ def encode_entry(data: bytes, base: bytes | None, *, level: int = DEFAULT_LEVEL,
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(body)
 
 
-def decode_entry(digest: str, frame: bytes, base: bytes | None) -> bytes:
+def _runs(bitmap: bytes, count: int) -> list[tuple[int, int]]:
+    """The present pages of a `count`-page bitmap as [start, end) runs: a
+    chunk is rebuilt one run at a time, not page by page."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for page in range(count):
+        if bitmap[page >> 3] >> (page & 7) & 1:
+            if start is None:
+                start = page
+        elif start is not None:
+            runs.append((start, page))
+            start = None
+    if start is not None:
+        runs.append((start, count))
+    return runs
+
+
+def _lay_over(out: bytearray, pages: memoryview, runs: list[tuple[int, int]]) -> bytes:
+    """The chunk: `out` (a copy of the base) with each run of `pages` laid over it, in order."""
+    at = 0
+    for start, end in runs:
+        size = min(end * PAGE, len(out)) - start * PAGE
+        out[start * PAGE:start * PAGE + size] = pages[at:at + size]
+        at += size
+    return bytes(out)
+
+
+def decode_entry(digest: str, frame: bytes | memoryview, base: bytes | None) -> bytes:
     """The chunk `digest` rebuilt from its entry and its base's bytes, verified."""
     what = f"packed chunk {digest}"
     try:
@@ -104,17 +131,16 @@ def decode_entry(digest: str, frame: bytes, base: bytes | None) -> bytes:
     if length > MAX_CHUNK_SIZE or (base is not None and len(base) != length):
         raise CorruptObject(f"{what}: entry of {length} bytes does not fit its base")
     count = _pages(length)
-    bitmap = body[_HEADER.size:_HEADER.size + (count + 7) // 8]
-    out = bytearray(base) if base is not None else bytearray(length)
-    at = _HEADER.size + len(bitmap)
-    for page in range(count):
-        if bitmap[page >> 3] >> (page & 7) & 1:
-            size = min(PAGE, length - page * PAGE)
-            out[page * PAGE:page * PAGE + size] = body[at:at + size]
-            at += size
-    if at != len(body):
-        raise CorruptObject(f"{what}: entry holds {len(body) - at} bytes more or less than its bitmap says")
-    data = bytes(out)
+    at = _HEADER.size + (count + 7) // 8
+    bitmap = body[_HEADER.size:at]
+    runs = _runs(bitmap, count)
+    present = sum(min(end * PAGE, length) - start * PAGE for start, end in runs)
+    if at + present != len(body):
+        raise CorruptObject(f"{what}: entry holds {len(body) - at - present} bytes more or less than its bitmap says")
+    if base is None and runs == [(0, count)]:
+        data = body[at:]  # every page present (a full chunk of RAM, say): one copy, no rebuild
+    else:
+        data = _lay_over(bytearray(base) if base is not None else bytearray(length), memoryview(body)[at:], runs)
     actual = digest_bytes(data)
     if actual != digest:
         raise CorruptObject(f"{what}: rebuilt content hashes to {actual} (corrupt pack or base)")
@@ -133,9 +159,11 @@ def encode_entries(entries: Mapping[str, bytes]) -> bytes:
     return b"".join([_HEADER.pack(len(head)), head, *entries.values()])
 
 
-def decode_entries(blob: bytes) -> dict[str, bytes]:
-    """The entries `encode_entries` stored, by digest; CorruptObject if the
-    index does not describe the object (each entry is verified when used)."""
+def decode_entries(blob: bytes) -> dict[str, memoryview]:
+    """The entries `encode_entries` stored, by digest (views of `blob`, not
+    copies); CorruptObject if the index does not describe the object (each
+    entry is verified when used)."""
+    view = memoryview(blob)
     try:
         (n,) = _HEADER.unpack_from(blob)
         index = json.loads(blob[_HEADER.size:_HEADER.size + n])
@@ -146,7 +174,7 @@ def decode_entries(blob: bytes) -> dict[str, bytes]:
             if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
                     and 0 < length <= MAX_ENTRY and body + offset + length <= len(blob)):
                 raise ValueError(f"entry of {digest} out of range")
-            out[digest] = blob[body + offset:body + offset + length]
+            out[digest] = view[body + offset:body + offset + length]
         return out
     except (struct.error, ValueError, TypeError, AttributeError, InvalidInput) as exc:
         raise CorruptObject(f"working-set entries: malformed object ({exc})") from None

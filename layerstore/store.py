@@ -396,7 +396,7 @@ class Store:
         by `pull --prefetch`)."""
         self.backend.put(_prefetch_key(manifest_id), json.dumps([int(i) for i in indices]).encode())
 
-    def get_set_chunks(self, manifest_id: str) -> dict[str, bytes]:
+    def get_set_chunks(self, manifest_id: str) -> dict[str, memoryview]:
         """The layer's working-set chunks stored whole (`put_set_chunks`): an
         entry over no base by digest, {} if there are none. A malformed
         object counts as none: it only costs the bases they save."""

@@ -239,3 +239,14 @@ def test_a_working_sets_packed_chunks_are_stored_whole_and_restored_without_thei
         assert wait_for(lambda: store.get_set_chunks(manifest)) == whole  # ...and the set's reader stores it again
     finally:
         fourth.close()
+
+    store.backend.delete(f"prefetch-chunks/{manifest}")  # a set recorded by hand (`image record-prefetch`)
+    store.set_ref("restored:v1", manifest)
+    fifth = Catalogue(store, ChunkCache(tmp_path / "e", capacity=64 * MiB), tmp_path / "uppers-e", record_window=0)
+    try:
+        view = fifth.view_for_manifest(manifest)
+        assert all(view.read(i * CS, CS) == expected[i] for i in (1, 2))
+        assert fifth.record_prefetch(parse_ref("restored:v1")).chunks == 2
+        assert store.get_set_chunks(manifest) == whole  # stores the packed chunks whole too
+    finally:
+        fifth.close()

@@ -173,3 +173,18 @@ def test_prefetch_leaves_a_chunk_held_in_memory_alone(tmp_path: Path) -> None:
     assert fetcher.read(DIGEST) == DATA and calls == []
     fetcher.prefetch(digest_bytes(other))
     assert calls == [digest_bytes(other)] and cache.contains(digest_bytes(other))
+
+
+def test_a_whole_read_from_the_cache_is_remembered_unless_asked_not_to(tmp_path: Path) -> None:
+    """A seal's base read whole is kept in memory for the next read; a
+    caller reading many chunks once (a set's whole copies being written)
+    leaves the memory to the chunks in use."""
+    store = open_store(str(tmp_path / "store"))
+    cache = ChunkCache(tmp_path / "cache", capacity=1 << 20)
+    fetcher = ChunkFetcher(store, cache, fetch=lambda d: pytest.fail("fetched"), memory=1 << 20)
+    other = b"other" * 1000
+    assert cache.put(DIGEST, DATA) and cache.put(digest_bytes(other), other)
+    assert fetcher.read(DIGEST, remember=False) == DATA and fetcher.read(DIGEST) == DATA
+    assert fetcher.memory_hits == 0  # both from the cache file
+    assert fetcher.read(digest_bytes(other)) == other and fetcher.read(digest_bytes(other)) == other
+    assert fetcher.memory_hits == 1

@@ -51,6 +51,12 @@ def test_an_entry_holds_only_the_changed_pages_and_rebuilds_exactly() -> None:
     assert decode_entry(digest_bytes(sparse), encode_entry(sparse, None), None) == sparse
     tail = bytes(PAGE) + b"x" * 100
     assert decode_entry(digest_bytes(tail), encode_entry(tail, None), None) == tail
+    # runs of pages (each laid over the base in one copy), and every page present
+    runs = changed(base, [0, 1, 2, 9, 10, 254, 255], seed=1)
+    assert decode_entry(digest_bytes(runs), encode_entry(runs, base), base) == runs
+    full = os.urandom(MIB - 100)
+    for over in (None, os.urandom(MIB - 100)):
+        assert decode_entry(digest_bytes(full), encode_entry(full, over), over) == full
 
 
 def test_an_entry_that_does_not_rebuild_to_its_digest_is_refused() -> None:
@@ -65,6 +71,10 @@ def test_an_entry_that_does_not_rebuild_to_its_digest_is_refused() -> None:
         decode_entry(digest, entry[:-3], base)
     with pytest.raises(CorruptObject):
         decode_entry(digest, encode_chunk(b"\x00" * 4 + b"\xff" * 32 + b"short"), base)  # bitmap says more pages
+    one_page = (MIB).to_bytes(4, "little") + b"\x01" + bytes(31)
+    for body in (one_page + bytes(PAGE - 1), one_page + bytes(PAGE + 1)):  # a byte short, a byte over
+        with pytest.raises(CorruptObject, match="more or less than its bitmap says"):
+            decode_entry(digest, encode_chunk(body), base)
     with pytest.raises(CorruptObject, match="hashes to"):
         decode_entry(digest_bytes(base), entry, base)  # someone else's digest
 
