@@ -400,7 +400,8 @@ def test_a_seals_state_record_is_overwritten_in_place_and_checked(env: Env) -> N
 def test_read_ready_never_waits_and_reads_what_read_reads(env: Env) -> None:
     """The event loop's read shortcut: a generation's own pages, over a hole
     or a chunk already in memory; None where a fetch or a seal's switch
-    would be waited for, across chunks, or past its byte bound."""
+    would be waited for, across chunks, or where the generations' own pages
+    are read past its byte bound."""
     assert env.content[CS : 2 * CS] == bytes(CS)  # chunk 1 is a hole
     up = env.new_upper("a")
     assert up.read_ready(10, 16) is None  # chunk 0 is neither cached nor in memory yet
@@ -415,7 +416,10 @@ def test_read_ready_never_waits_and_reads_what_read_reads(env: Env) -> None:
     for offset, length in ((10, 16), (3 * CS, 8192), (3 * CS + 4000, 200), (CS - 8, 8), (up.size - 5, 50)):
         assert up.read_ready(offset, length) == up.read(offset, length)
     assert up.read_ready(CS - 8, 16) is None  # across two chunks
-    assert up.read_ready(0, 8192, max_disk_read=4096) is None
+    assert up.read_ready(0, 8192, max_disk_read=4096) is None  # its own pages: a disk read past the bound
+    up.read(2 * CS, 16)  # a chunk with no pages of its own, in memory: served whole past the bound
+    assert env.content[2 * CS : 3 * CS] != bytes(CS)
+    assert up.read_ready(2 * CS, CS, max_disk_read=4096) == env.content[2 * CS : 3 * CS]
     up._lock.acquire_exclusive()  # a seal switching generations
     try:
         assert up.read_ready(10, 16) is None
