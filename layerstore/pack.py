@@ -48,6 +48,7 @@ from .errors import CorruptObject, InvalidInput
 PACK_PREFIX = "packs/"
 PAGE = 4096
 _HEADER = struct.Struct("<I")
+_ZEROS = bytes(1 << 20)  # what a chunk of the usual size is rebuilt over when it has no base
 MAX_ENTRY = _HEADER.size + MAX_CHUNK_SIZE // PAGE // 8 + MAX_CHUNK_SIZE  # the largest decoded entry
 
 
@@ -105,14 +106,19 @@ def _runs(bitmap: bytes, count: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _lay_over(out: bytearray, pages: memoryview, runs: list[tuple[int, int]]) -> bytes:
-    """The chunk: `out` (a copy of the base) with each run of `pages` laid over it, in order."""
-    at = 0
+def _lay_over(base: bytes | None, length: int, pages: memoryview, runs: list[tuple[int, int]]) -> bytes:
+    """The chunk: `base` (None: zeros) with each run of `pages` laid over
+    it, in order, built in one pass (no zero-filled copy to patch)."""
+    under = memoryview(base) if base is not None else memoryview(_ZEROS)[:length] if length <= len(_ZEROS) else memoryview(bytes(length))
+    parts = []
+    at = pos = 0  # in `pages`, in the chunk
     for start, end in runs:
-        size = min(end * PAGE, len(out)) - start * PAGE
-        out[start * PAGE:start * PAGE + size] = pages[at:at + size]
-        at += size
-    return bytes(out)
+        first, stop = start * PAGE, min(end * PAGE, length)
+        parts += [under[pos:first], pages[at:at + stop - first]]
+        at += stop - first
+        pos = stop
+    parts.append(under[pos:length])
+    return b"".join(parts)
 
 
 def decode_entry(digest: str, frame: bytes | memoryview, base: bytes | None) -> bytes:
@@ -140,7 +146,7 @@ def decode_entry(digest: str, frame: bytes | memoryview, base: bytes | None) -> 
     if base is None and runs == [(0, count)]:
         data = body[at:]  # every page present (a full chunk of RAM, say): one copy, no rebuild
     else:
-        data = _lay_over(bytearray(base) if base is not None else bytearray(length), memoryview(body)[at:], runs)
+        data = _lay_over(base, length, memoryview(body)[at:], runs)
     actual = digest_bytes(data)
     if actual != digest:
         raise CorruptObject(f"{what}: rebuilt content hashes to {actual} (corrupt pack or base)")
