@@ -58,7 +58,8 @@ RECORD_WINDOW = 10.0  # seconds of a layer's first use on a node recorded as its
 SET_CHUNKS_MAX = 64 << 20  # compressed bytes of a working set's packed chunks stored again whole
 RECORD_SHARE = 0.5  # a recorded working set names at most this share of its layer's chunk slots (its size)
 SEALERS = 2  # seal jobs at once: a snapshot seals a disk and a RAM layer
-WRITE_BEHIND = 64 << 20  # bytes of fetched chunks that may wait for their cache write (fetch.py)
+WRITE_BEHIND = 128 << 20  # bytes of fetched chunks that may wait for their cache write (fetch.py)
+WRITE_SETTLE = 0.25  # seconds without a fetch before those writes start (under half the bytes waiting)
 RECENT = 128 << 20  # bytes of recent chunks the fetcher keeps in memory (a seal's and what it reads below)
 KEEP_SEALED = 32 << 20  # bytes of a seal's chunks kept in memory (of RECENT)
 READ_AHEAD_KIB = 4096  # the kernel's read-ahead on the mount: four chunks (set_read_ahead)
@@ -73,7 +74,8 @@ class Catalogue:
         self.store = store
         self.squash_depth = squash_depth  # a sealed stack deeper than this is squashed (layerstore/squash.py)
         self.cache = cache
-        self.fetcher = ChunkFetcher(store, cache, write_behind=WRITE_BEHIND, memory=RECENT)
+        self.fetcher = ChunkFetcher(store, cache, write_behind=WRITE_BEHIND, write_settle=WRITE_SETTLE,
+                                    memory=RECENT)
         self.upper_root = upper_root
         self.upper_root.mkdir(parents=True, exist_ok=True)
         self.sandboxes: dict[str, UpperLayer] = {}
