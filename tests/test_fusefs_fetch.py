@@ -74,28 +74,29 @@ def test_cache_writes_go_behind_the_reader_within_a_bound(tmp_path: Path) -> Non
     fetcher.close()
 
 
-def test_cache_writes_wait_while_fetching_is_busy_unless_half_the_bound_waits(tmp_path: Path) -> None:
-    """A restore's burst of fetches is not slowed by its own cache writes:
-    they start once fetching has settled, or at once when half the bytes
-    allowed to wait already do, or when a flush asks."""
+def test_prefetch_writes_wait_while_fetching_is_busy_unless_half_the_bound_waits(tmp_path: Path) -> None:
+    """A restore's burst of prefetches is not slowed by their own cache
+    writes: they start once fetching has settled, or at once when half the
+    bytes allowed to wait already do, or when a flush asks. A read's own
+    fetch is written at once (unless queued behind those)."""
     store = open_store(str(tmp_path / "store"))
     cache = ChunkCache(tmp_path / "cache", capacity=1 << 20)
-    chunks = {digest_bytes(c): c for c in (b"a" * 1000, b"b" * 1000, b"c" * 3000)}
+    chunks = {digest_bytes(c): c for c in (b"a" * 1000, b"b" * 1000, b"c" * 3000, b"d" * 10, b"e" * 10)}
     fetcher = ChunkFetcher(store, cache, fetch=chunks.__getitem__, memory=0, write_behind=6000, write_settle=2.0)
-    first, second, big = chunks
-    fetcher.read(first)
+    first, second, big, read, last = chunks
+    fetcher.read(read)  # a read's fetch: written behind it at once
+    assert wait_for(lambda: cache.contains(read), timeout=1.0)
+    fetcher.prefetch(first)
     time.sleep(0.2)
-    fetcher.read(second)  # fetching goes on: the first write still waits
+    fetcher.prefetch(second)  # fetching goes on: the first write still waits
     time.sleep(0.3)
     assert not cache.contains(first)
     assert wait_for(lambda: cache.contains(first) and cache.contains(second))  # settled
-    fetcher.read(big)  # half the bound waits: written without settling
+    fetcher.prefetch(big)  # half the bound waits: written without settling
     assert wait_for(lambda: cache.contains(big), timeout=1.0)
-    third = b"d" * 10
-    chunks[digest_bytes(third)] = third
-    fetcher.read(digest_bytes(third))
+    fetcher.prefetch(last)
     fetcher.flush()  # asked: written now
-    assert cache.contains(digest_bytes(third))
+    assert cache.contains(last)
     fetcher.close()
 
 
