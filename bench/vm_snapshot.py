@@ -23,7 +23,7 @@ Storage-side time is reported apart from the VMM's own time:
   `restore_storage_running_ms`, the same on a mount that keeps running
   after `strata cache drop` (chunk cache, its memory and the kernel's page
   cache of the snapshot's files emptied; no process start, no re-hash).
-Cold restores alternate without and with the set (3 each, medians); warm
+Cold restores alternate without and with the set (5 each, medians); warm
 ones and restore p50/p99 are over 20 restores on a warm cache.
 Runs real QEMU (TCG here, KVM where usable) on the guest from
 vmm/guest/build.sh, through a real FUSE mount.
@@ -76,7 +76,7 @@ def cold_restore(m: Mount, boxes: Sandboxes, snapshot: str, work: Path, sid: str
     return r.timings["restore"] * 1e3
 
 
-def restores(m: Mount, boxes: Sandboxes, store, snapshot: str, work: Path, *, runs: int = 3) -> dict[str, float]:  # noqa: ANN001
+def restores(m: Mount, boxes: Sandboxes, store, snapshot: str, work: Path, *, runs: int = 5) -> dict[str, float]:  # noqa: ANN001
     """Cold restores without and with the working set the first one records
     (alternated, `runs` each, medians), then 21 on a warm cache."""
     out: dict[str, float] = {}
