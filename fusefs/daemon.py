@@ -109,9 +109,10 @@ class Catalogue:
         return [ref for ref, _m, _u in self.store.list_refs()]
 
     # prefetch ---------------------------------------------------------------
-    def schedule_prefetch(self, digest: str) -> None:
+    def schedule_prefetch(self, digest: str, *, settle: bool = False) -> None:
+        """Fetch a chunk on a prefetch thread (`settle`: a working set's, see ChunkFetcher)."""
         try:
-            self._prefetch.submit(self.fetcher.prefetch, digest)
+            self._prefetch.submit(self.fetcher.prefetch, digest, settle=settle)
         except RuntimeError:  # shutting down
             pass
 
@@ -150,7 +151,7 @@ class Catalogue:
                 log.warning("working-set chunks of %s unreadable: %s", view.manifest_id, exc)
             self.fetcher.learn_whole({d: whole[d] for d in digests if d in whole})
         for digest in digests:
-            self.schedule_prefetch(digest)
+            self.schedule_prefetch(digest, settle=True)
         if self.record_window > 0:
             timer = threading.Timer(self.record_window, self._record, (view, indices, bool(whole)))
             timer.daemon = True

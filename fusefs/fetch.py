@@ -65,12 +65,12 @@ class ChunkFetcher:
         # thread: the reader goes on at once instead of waiting for a 1 MiB
         # O_DIRECT write (~3 ms here). At most `write_behind` bytes wait, held
         # in `_unwritten` so that a read in between finds them (0: inline).
-        # A prefetched chunk's write (a restore's working set) waits until
-        # no chunk has been fetched for `write_settle` seconds, as long as
-        # under half the bound waits: those writes, made during a cold
+        # A working set's chunk (prefetched with `settle`) is written once
+        # no chunk has been fetched for `write_settle` seconds, or at once
+        # if half the bound waits: those writes, made during a cold
         # restore, slowed it by ~20 ms (the guest's reads are served from
-        # memory meanwhile). Not a read's own fetch: deferred, those landed
-        # in the next snapshot's seal (20 -> 31 ms).
+        # memory meanwhile). Not a read's own fetch, nor read-ahead's:
+        # deferred, those landed in the next snapshot's seal.
         self._write_behind = write_behind
         self._write_settle = write_settle
         self._last_fetch = 0.0
@@ -281,8 +281,10 @@ class ChunkFetcher:
         self._remember(digest, data)
         return True
 
-    def prefetch(self, digest: str) -> None:
-        """Bring a chunk into the cache; errors are left for a real read to report.
+    def prefetch(self, digest: str, *, settle: bool = False) -> None:
+        """Bring a chunk into the cache; errors are left for a real read to
+        report. Its cache write waits for fetching to settle if `settle`
+        (a working set's chunk: see __init__).
 
         Not one held in memory: reads are served from there, and those are
         mostly the chunks a seal just kept (read-ahead past QEMU's reads of
@@ -294,6 +296,6 @@ class ChunkFetcher:
                 self._whole.pop(digest, None)  # not needed: not kept either
             return
         try:
-            self.fetch(digest, settle=True)
+            self.fetch(digest, settle=settle)
         except Exception:
             pass

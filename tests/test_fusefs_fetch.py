@@ -74,11 +74,11 @@ def test_cache_writes_go_behind_the_reader_within_a_bound(tmp_path: Path) -> Non
     fetcher.close()
 
 
-def test_prefetch_writes_wait_while_fetching_is_busy_unless_half_the_bound_waits(tmp_path: Path) -> None:
-    """A restore's burst of prefetches is not slowed by their own cache
+def test_a_sets_cache_writes_wait_while_fetching_is_busy_unless_half_the_bound_waits(tmp_path: Path) -> None:
+    """A restore's burst of working-set prefetches is not slowed by their own cache
     writes: they start once fetching has settled, or at once when half the
     bytes allowed to wait already do, or when a flush asks. A read's own
-    fetch is written at once (unless queued behind those)."""
+    fetch, or read-ahead's, is written at once (unless queued behind those)."""
     store = open_store(str(tmp_path / "store"))
     cache = ChunkCache(tmp_path / "cache", capacity=1 << 20)
     chunks = {digest_bytes(c): c for c in (b"a" * 1000, b"b" * 1000, b"c" * 3000, b"d" * 10, b"e" * 10)}
@@ -86,15 +86,19 @@ def test_prefetch_writes_wait_while_fetching_is_busy_unless_half_the_bound_waits
     first, second, big, read, last = chunks
     fetcher.read(read)  # a read's fetch: written behind it at once
     assert wait_for(lambda: cache.contains(read), timeout=1.0)
-    fetcher.prefetch(first)
+    ahead = b"f" * 10  # and read-ahead's
+    chunks[digest_bytes(ahead)] = ahead
+    fetcher.prefetch(digest_bytes(ahead))
+    assert wait_for(lambda: cache.contains(digest_bytes(ahead)), timeout=1.0)
+    fetcher.prefetch(first, settle=True)
     time.sleep(0.2)
-    fetcher.prefetch(second)  # fetching goes on: the first write still waits
+    fetcher.prefetch(second, settle=True)  # fetching goes on: the first write still waits
     time.sleep(0.3)
     assert not cache.contains(first)
     assert wait_for(lambda: cache.contains(first) and cache.contains(second))  # settled
-    fetcher.prefetch(big)  # half the bound waits: written without settling
+    fetcher.prefetch(big, settle=True)  # half the bound waits: written without settling
     assert wait_for(lambda: cache.contains(big), timeout=1.0)
-    fetcher.prefetch(last)
+    fetcher.prefetch(last, settle=True)
     fetcher.flush()  # asked: written now
     assert cache.contains(last)
     fetcher.close()
