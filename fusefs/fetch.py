@@ -236,7 +236,7 @@ class ChunkFetcher:
     def fetch(self, digest: str, *, settle: bool = False) -> bytes:
         """The whole verified chunk, fetched once however many callers ask at
         once; its cache write may wait for fetching to settle if `settle` (a
-        prefetch: see __init__)."""
+        working set's chunk: see __init__)."""
         with self._lock:
             future = self._inflight.get(digest)
             leader = future is None

@@ -109,7 +109,10 @@ def _runs(bitmap: bytes, count: int) -> list[tuple[int, int]]:
 def _lay_over(base: bytes | None, length: int, pages: memoryview, runs: list[tuple[int, int]]) -> bytes:
     """The chunk: `base` (None: zeros) with each run of `pages` laid over
     it, in order, built in one pass (no zero-filled copy to patch)."""
-    under = memoryview(base) if base is not None else memoryview(_ZEROS)[:length] if length <= len(_ZEROS) else memoryview(bytes(length))
+    if base is not None:
+        under = memoryview(base)
+    else:
+        under = memoryview(_ZEROS if length <= len(_ZEROS) else bytes(length))
     parts = []
     at = pos = 0  # in `pages`, in the chunk
     for start, end in runs:
