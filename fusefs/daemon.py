@@ -143,7 +143,7 @@ class Catalogue:
             log.warning("prefetch list of %s unreadable: %s", view.manifest_id, exc)
             return
         digests = [d for d in (view.chunks.get(i) for i in indices) if d is not None]
-        whole: dict[str, bytes] = {}
+        whole: dict[str, memoryview] = {}
         if any(self.fetcher.packed_base(d) is not None for d in digests):
             try:  # the set's packed chunks stored again whole: no bases to fetch
                 whole = self.store.get_set_chunks(view.manifest_id)
