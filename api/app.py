@@ -26,6 +26,7 @@ from . import errors
 from .deps import KEY_HEADER
 from .node import Node
 from .ports import PortProxy
+from .proxy import OriginForm
 from .routes import ROUTERS
 from .routes.builds import is_upload
 from .routes.envd import is_data_plane
@@ -79,7 +80,8 @@ def create_app(node: Node | None = None) -> FastAPI:
     errors.install(app)
     app.middleware("http")(_key_first)
     app.middleware("http")(_timing)  # outermost of the API's, so refused requests are counted too
-    app.add_middleware(PortProxy)  # outermost: a sandbox port's request never reaches the API
+    app.add_middleware(PortProxy)  # a sandbox port's request never reaches the API
+    app.add_middleware(OriginForm)  # outermost: only `/path?query` targets are routed, proxied or served
     for router in ROUTERS:
         app.include_router(router)
     return app

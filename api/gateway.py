@@ -48,8 +48,8 @@ from vmm import placement
 
 from . import listing
 from .ports import PORT_HOST
-from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body, send_request,
-                    url_of)
+from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body,
+                    send_request, target_error, upstream)
 
 log = logging.getLogger("strata.gateway")
 
@@ -58,6 +58,7 @@ TEMPLATE_PATH = re.compile(r"^/(?:v2/)?templates/([^/]+)/")
 MAX_BODY = 1 << 20  # a create or build request is buffered (it may go to a second node)
 PLACED_TTL = 300.0  # seconds a sandbox's node is remembered (a 404 or a dead node forgets it sooner)
 UNREACHABLE_HEADER = "x-strata-unreachable-nodes"
+_HOST = re.compile(r"^([A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))(?::(\d{1,5}))?$")  # a Host header a WebSocket may carry on
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,9 @@ class Gateway:
             return
         if scope["type"] not in ("http", "websocket"):
             return
+        if (error := target_error(scope)) is not None:  # where it goes is built from parts, never from the target
+            await refuse(scope, send, *error)
+            return
         r = route(scope)
         try:
             if r.kind == "sandbox":
@@ -291,8 +295,11 @@ class Gateway:
         if scope["type"] == "websocket":  # to the node, with the client's Host (it names the sandbox's port)
             node = httpx.URL(member.url)
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), node.netloc.decode())
-            await forward_websocket(scope, receive, send, url_of("ws", host, scope), what=what,
-                                    connect_to=(node.host, node.port or 80))
+            if (named := _HOST.match(host)) is None:
+                await refuse(scope, send, 400, "the Host header must be a host name, with a port if any")
+                return
+            url = upstream(httpx.URL(scheme="ws", host=named.group(1), port=int(named.group(2) or 80)), scope)
+            await forward_websocket(scope, receive, send, str(url), what=what, connect_to=(node.host, node.port or 80))
             return
         moving = _wakes(scope)
         body: Any = await _read_body(receive) if moving else request_body(receive)
@@ -323,9 +330,8 @@ class Gateway:
         await relay(response, send, what=what)
 
     async def _try(self, scope: Scope, member: Member, body: Any, what: str) -> httpx.Response | Unreachable:
-        scheme, _, rest = member.url.partition("://")
         try:
-            return await send_request(self.client, scope, url_of(scheme, rest, scope), body=body, what=what)
+            return await send_request(self.client, scope, upstream(httpx.URL(member.url), scope), body=body, what=what)
         except Unreachable as exc:
             return exc
 
@@ -357,10 +363,10 @@ class Gateway:
         members = await anyio.to_thread.run_sync(self.cluster.schedule, template)
         last: tuple[int, str] = (503, "no live node in this cluster (none has published a record with its URL)")
         for member in members:
-            scheme, _, rest = member.url.partition("://")
             what = f"node {member.node}"
             try:
-                response = await send_request(self.client, scope, url_of(scheme, rest, scope), body=body, what=what)
+                response = await send_request(self.client, scope, upstream(httpx.URL(member.url), scope), body=body,
+                                              what=what)
             except Unreachable as exc:
                 last = (exc.status, str(exc))
                 continue
@@ -400,10 +406,10 @@ class Gateway:
             await refuse(scope, send, 503, "no live node in this cluster")
             return
         member = members[0]
-        scheme, _, rest = member.url.partition("://")
         what = f"node {member.node}"
         try:
-            response = await send_request(self.client, scope, url_of(scheme, rest, scope), body=body, what=what)
+            response = await send_request(self.client, scope, upstream(httpx.URL(member.url), scope), body=body,
+                                          what=what)
         except Unreachable as exc:
             await refuse(scope, send, exc.status, str(exc))
             return

@@ -26,7 +26,7 @@ import httpx
 from layerstore.errors import StrataError
 
 from . import errors
-from .proxy import Scope, forward_http, forward_websocket, new_client, refuse, url_of
+from .proxy import Scope, forward_http, forward_websocket, new_client, refuse, upstream
 
 PORT_HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9-]{1,64})\.")
 ENVD_PORT = 49983
@@ -65,10 +65,10 @@ class PortProxy:
             return
         what = f"port {port} of sandbox {sid}"
         if scope["type"] == "websocket":
-            await forward_websocket(scope, receive, send, url_of("ws", f"{address}:{port}", scope), drop=_DROP,
-                                    what=what)
+            url = upstream(httpx.URL(scheme="ws", host=address, port=port), scope)
+            await forward_websocket(scope, receive, send, str(url), drop=_DROP, what=what)
             return
         if self._client is None:
             self._client = new_client()
-        await forward_http(self._client, scope, receive, send, url_of("http", f"{address}:{port}", scope),
-                           drop=_DROP, what=what)
+        url = upstream(httpx.URL(scheme="http", host=address, port=port), scope)
+        await forward_http(self._client, scope, receive, send, str(url), drop=_DROP, what=what)

@@ -3,10 +3,24 @@ proxy (api/ports.py) to a sandbox's address, the gateway (api/gateway.py)
 to a node. Bodies stream both ways; hop-by-hop headers (and whatever the
 caller adds to `drop`) are not passed on; the Host header is. Failures to
 reach the target are JSON errors like the API's: 502 nothing answers, 504
-no answer in time."""
+no answer in time.
+
+Where a request goes is never taken from its bytes: the upstream URL is
+the proxy's own scheme, host and port with the request's path and query
+put in their place (`upstream`), and only an origin-form target
+(`/path?query`, RFC 9112 3.2.1) is passed on at all (`OriginForm`,
+outermost on the node and the gateway). `@host/`, `//host/`,
+`http://host/`, `host:port` and `*` would otherwise become the authority
+of the URL the proxy fetches.
+
+    request line      GET /sandboxes/x?y=1 HTTP/1.1     GET @10.0.0.9:80/ HTTP/1.1
+    target            origin-form: passed on            not origin-form: 400
+    upstream URL      http://NODE:PORT/sandboxes/x?y=1  (none)
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -22,6 +36,9 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"p
 WS_OWN = frozenset({b"host", b"sec-websocket-key", b"sec-websocket-version", b"sec-websocket-extensions",
                     b"sec-websocket-protocol", b"connection", b"upgrade"})
 TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=30.0)
+MAX_TARGET = 8192  # bytes of a request target (path and query); longer is 414
+_PATH = re.compile(rb"^/(?!/)[!-~]*$")  # '/' then printable ASCII; not '//' (a network-path reference)
+_QUERY = re.compile(rb"^[!-~]*$")
 
 Scope = dict[str, Any]
 
@@ -39,11 +56,40 @@ def new_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=TIMEOUT, follow_redirects=False, trust_env=False)
 
 
-def url_of(scheme: str, base: str, scope: Scope) -> str:
-    """`base` (scheme://host:port) with the request's own path and query."""
+def target_error(scope: Scope) -> tuple[int, str] | None:
+    """Why the request's target may not be passed on (status, message),
+    None if it is origin-form: a path starting with one '/', printable ASCII
+    without backslashes, and a query of printable ASCII."""
+    path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+    query = scope.get("query_string", b"")
+    if len(path) + len(query) > MAX_TARGET:
+        return 414, f"request target over {MAX_TARGET} bytes"
+    if not _PATH.match(path) or b"\\" in path or not _QUERY.match(query):
+        return 400, "request target must be origin-form: a path starting with one '/', no scheme, '@host' or backslash"
+    return None
+
+
+def upstream(base: httpx.URL, scope: Scope) -> httpx.URL:
+    """`base`'s scheme, host and port with the request's path and query: built
+    from parts, so nothing in the request can name another host. The target
+    must have passed `target_error`; httpx refuses what is not a path."""
     path = scope.get("raw_path") or scope["path"].encode()
     query = scope.get("query_string", b"")
-    return f"{scheme}://{base}{path.decode('latin-1')}{'?' + query.decode('latin-1') if query else ''}"
+    return base.copy_with(raw_path=path + (b"?" + query if query else b""))
+
+
+class OriginForm:
+    """ASGI middleware, outermost: a request whose target is not origin-form
+    is refused (400, or 414 when overlong) before anything routes it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and (error := target_error(scope)) is not None:
+            await refuse(scope, send, *error)
+            return
+        await self.app(scope, receive, send)
 
 
 async def request_body(receive: Any) -> AsyncIterator[bytes]:

@@ -37,3 +37,13 @@ class AttackMatrix:
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.has_plugin("attack-matrix"):
         config.pluginmanager.register(AttackMatrix(), "attack-matrix")
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory: pytest.TempPathFactory, guest: Any) -> Any:
+    """The node, gateway, bait and victim sandbox of tests/attacks/lab.py."""
+    from tests.attacks.lab import Lab
+
+    target = Lab(tmp_path_factory.mktemp("attack-lab"), guest)
+    yield target
+    target.close()
