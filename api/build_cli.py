@@ -18,6 +18,7 @@ from typing import Any
 
 from layerstore.errors import InvalidInput, StrataError
 
+from .builds import Builds
 from .compose import NodeContext
 from .teams import ADMIN
 
@@ -49,7 +50,7 @@ def register(verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
 def cmd_template_build(args: argparse.Namespace, ctx: NodeContext) -> int:
     node = ctx.node()
     build = node.builds.request(ADMIN, args.name)
-    steps = [_step(node.builds.files, kind, value) for kind, value in args.steps]
+    steps = [_step(node.builds, kind, value) for kind, value in args.steps]
     base = {"fromImage": args.base} if ":" in args.base else {"fromTemplate": args.base}
     node.builds.start(ADMIN, build.name, build.build_id,
                       {**base, "steps": steps, "startCmd": args.start, "readyCmd": args.ready})
@@ -71,7 +72,7 @@ def _show(ctx: NodeContext, build: Any, shown: int) -> int:
     return len(build.logs)
 
 
-def _step(files: Path, kind: str, value: str) -> dict[str, Any]:
+def _step(builds: Builds, kind: str, value: str) -> dict[str, Any]:
     if kind == "ENV":
         key, sep, val = value.partition("=")
         if not sep or not key:
@@ -81,17 +82,20 @@ def _step(files: Path, kind: str, value: str) -> dict[str, Any]:
         src, sep, dest = value.partition(":")
         if not sep or not Path(src).exists():
             raise InvalidInput(f"--copy {value!r}: give SRC:DEST with an existing local SRC")
-        return {"type": "COPY", "args": [Path(src).name, dest], "filesHash": _pack(files, Path(src))}
+        return {"type": "COPY", "args": [Path(src).name, dest], "filesHash": _pack(builds, Path(src))}
     return {"type": kind, "args": [value]}
 
 
-def _pack(files: Path, src: Path) -> str:
+def _pack(builds: Builds, src: Path) -> str:
     """Tar `src` (named by its base name, as the SDK's context-relative
-    paths are) into the build files, by content hash."""
-    files.mkdir(parents=True, exist_ok=True)
-    part = files / f"cli-{time.time_ns()}.part"
-    with tarfile.open(part, "w") as tar:
-        tar.add(src, arcname=src.name)
-    digest = hashlib.sha256(part.read_bytes()).hexdigest()
-    part.replace(files / f"{digest}.tar")
+    paths are) into the operator's build files, by content hash."""
+    builds.files.mkdir(parents=True, exist_ok=True)
+    part = builds.files / f".upload-cli-{time.time_ns()}"
+    try:
+        with tarfile.open(part, "w") as tar:
+            tar.add(src, arcname=src.name)
+        digest = hashlib.sha256(part.read_bytes()).hexdigest()
+        builds.keep_upload(part, builds.upload_path(ADMIN.team, digest))
+    finally:
+        part.unlink(missing_ok=True)
     return digest

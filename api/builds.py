@@ -4,7 +4,7 @@ created from the template then restores that snapshot instead of booting.
 
     POST /v3/templates                      -> a build, waiting for its steps
     GET  /templates/{name}/files/{hash}     -> where to PUT a COPY step's tar
-    PUT  /templates/{name}/files/{hash}?token=..   (the tar, from the SDK)
+    PUT  /templates/{name}/files/{hash}?team=..&expires=..&token=..   (the tar, from the SDK)
     POST /v2/templates/{name}/builds/{id}   -> steps; the build runs (thread)
     GET  /templates/{name}/builds/{id}/status?logsOffset=N  -> status, logs
 
@@ -15,7 +15,20 @@ in this node's store: nothing is pulled from a registry). ENV, WORKDIR and
 USER become the template's process defaults, so sandboxes from it start
 their processes the same way. Builds live in the node's memory (a restart
 forgets unfinished ones); their logs also go to the build sandbox's event
-log. Uploaded tars are kept under STATE/template-files by content hash.
+log.
+
+Uploaded tars are the caller's team's own: kept under
+STATE/template-files/TEAM-DIR/HASH.tar, where TEAM-DIR is a digest of the
+team name, and a build reads only its own team's. The SDK PUTs a tar
+without an API key, so the link it gets is signed for (team, template,
+hash, expiry) and valid for UPLOAD_TTL seconds; a tar is checked before it
+is kept (a readable tar of files, directories and links, no absolute or
+`..` names), and one no build has used for UPLOAD_KEEP seconds is removed.
+
+    STATE/template-files/
+      3f1c...e2/                     team alpha's (blake2b of the team name)
+        9a0b...64.tar                one COPY step's files, by the SDK's hash
+      77d0...1a/                     team beta's: the same hash is another file
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
+import re
 import secrets
 import shlex
 import tarfile
@@ -38,15 +53,20 @@ from layerstore.templates import check_template_name, new_template
 from vmm.agent import Agent, Exit, output_events
 from vmm.registry import new_sid
 
+from .teams import Caller
+
 if TYPE_CHECKING:
     from .node import Node, Source
-    from .teams import Caller
 
 log = logging.getLogger("strata.api")
 BUILD_KEY = "strata.build"  # metadata marking a build's sandbox (never listed)
 READY_TIMEOUT = 300.0  # seconds the ready command may take to succeed
 STEP_TIMEOUT = 3600.0
 MAX_LOGS = 10_000
+UPLOAD_TTL = 3600.0  # seconds an upload link stays valid
+UPLOAD_KEEP = 7 * 86400.0  # seconds an uploaded tar no build has used is kept
+MAX_TAR_MEMBERS = 100_000
+FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
@@ -100,15 +120,57 @@ class Builds:
             raise NotFound(f"build {build_id} of template {name} not found")
         return build
 
-    def upload_token(self, name: str, files_hash: str) -> str:
-        return hmac.new(self._secret, f"{name}/{files_hash}".encode(), hashlib.sha256).hexdigest()
+    def upload_grant(self, caller: "Caller", name: str, files_hash: str, *, now: float | None = None) -> dict[str, str]:
+        """The query parameters of an upload link for the caller's team: its
+        team, an expiry, and a signature over both with the template and hash."""
+        _check_hash(files_hash)
+        expires = str(int((time.time() if now is None else now) + UPLOAD_TTL))
+        return {"team": caller.team, "expires": expires, "token": self._sign(caller.team, name, files_hash, expires)}
 
-    def check_upload(self, name: str, files_hash: str, token: str) -> Path:
-        if not (len(files_hash) == 64 and all(c in "0123456789abcdef" for c in files_hash)):
-            raise InvalidInput("files hash must be 64 hex digits")
-        if not hmac.compare_digest(token, self.upload_token(name, files_hash)):
-            raise NotFound("no such upload")
-        return self.files / f"{files_hash}.tar"
+    def _sign(self, team: str, name: str, files_hash: str, expires: str) -> str:
+        message = "\0".join((team, name, files_hash, expires)).encode("utf-8", "surrogateescape")
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def check_grant(self, name: str, files_hash: str, *, team: str, expires: str, token: str) -> Path:
+        """Where an upload link's tar goes, if the link is one this node signed
+        and has not expired (NotFound otherwise, whatever is wrong with it)."""
+        _check_hash(files_hash)
+        good = self._sign(team, name, files_hash, expires).encode()
+        if not (expires.isdigit() and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), good)
+                and int(expires) >= time.time()):
+            raise NotFound("no such upload (or its link expired: ask for a new one)")
+        return self.upload_path(team, files_hash)
+
+    def upload_path(self, team: str, files_hash: str) -> Path:
+        """The team's tar of `files_hash` (which need not exist)."""
+        _check_hash(files_hash)
+        return self.files / hashlib.blake2b(team.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest() \
+            / f"{files_hash}.tar"
+
+    def keep_upload(self, staged: Path, dest: Path) -> None:
+        """Check the uploaded tar at `staged`, then make it `dest` (atomically:
+        a build never reads half a tar). InvalidInput and nothing kept if the
+        tar is not one a COPY step can use."""
+        check_tar(staged)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}")
+        os.link(staged, part)
+        os.replace(part, dest)
+
+    def reap_uploads(self, now: float) -> int:
+        """Remove tars no build has used for UPLOAD_KEEP seconds (a build
+        touches the tars it reads), and links a crash left half made.
+        Returns how many."""
+        removed = 0
+        for path in self.files.glob("*/*") if self.files.is_dir() else ():
+            try:
+                age = now - path.stat().st_mtime
+                if age > UPLOAD_KEEP or (path.name.startswith(".") and age > UPLOAD_TTL):
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
 
     def start(self, caller: "Caller", name: str, build_id: str, spec: dict[str, Any]) -> Build:
         build = self.get(caller, name, build_id)
@@ -120,8 +182,11 @@ class Builds:
             raise InvalidInput("steps must be a list of {type, args}")
         base = self._base(caller, spec)
         for s in steps:
-            if s["type"] == "COPY" and not (self.files / f"{s.get('filesHash', '')}.tar").exists():
-                raise InvalidInput(f"COPY {s.get('args')}: its files were not uploaded")
+            if s["type"] == "COPY":
+                tar = self.upload_path(build.team, str(s.get("filesHash") or ""))
+                if not tar.exists():
+                    raise InvalidInput(f"COPY {s.get('args')}: its files were not uploaded")
+                os.utime(tar)  # in use: not reaped
         build.status = "building"
         threading.Thread(target=self._run, args=(build, base, steps, spec), daemon=True,
                          name=f"strata-build-{name}").start()
@@ -160,8 +225,7 @@ class Builds:
                spec: dict[str, Any]) -> None:
         started = time.monotonic()
         build.log(f"booting {base.template} as {sid}")
-        record = self.node.start_sandbox(base, sid=sid, metadata={BUILD_KEY: build.build_id}, timeout=None,
-                                  auto_pause=False, team=build.team)
+        record = self.node.start_build_sandbox(base, sid=sid, build_id=build.build_id, team=build.team)
         build.timings["boot"] = time.monotonic() - started
         agent = self.node.boxes.agent(sid)
         state = {"env": dict(record.env), "cwd": record.cwd, "user": record.user}
@@ -174,6 +238,7 @@ class Builds:
         build.log("snapshotting the running sandbox")
         snapshot_id = self.node.boxes.snapshot(sid)
         build.timings["snapshot"] = time.monotonic() - mark
+        self.node.catalog.check_template_free(Caller(build.team), build.name)  # another team may have taken it since
         self.node.store.put_template(new_template(build.name, "snapshot", snapshot_id, owner=build.team,
                                                   process=state))
         build.log(f"template {build.name} ready: snapshot {snapshot_id} (boot {build.timings['boot']:.1f} s, "
@@ -197,7 +262,7 @@ class Builds:
         elif kind == "USER" and args:
             state["user"] = args[0]
         elif kind == "COPY" and len(args) >= 2:
-            self._copy(agent, self.files / f"{step.get('filesHash', '')}.tar", args, state)
+            self._copy(agent, self.upload_path(build.team, str(step.get("filesHash") or "")), args, state)
         else:
             raise InvalidInput(f"step {build.step}: {kind} {args} is not a step this node runs")
 
@@ -251,3 +316,26 @@ class Builds:
                     raise StrataError(f"the ready command did not succeed within {READY_TIMEOUT:.0f} s")
                 time.sleep(0.5)
         build.timings["start"] = time.monotonic() - mark
+
+
+def _check_hash(files_hash: str) -> None:
+    if not FILES_HASH.match(files_hash):
+        raise InvalidInput("files hash must be 64 lowercase hex digits")
+
+
+def check_tar(path: Path) -> None:
+    """InvalidInput unless `path` is a tar a COPY step can use: readable,
+    at most MAX_TAR_MEMBERS entries of files, directories and links, no
+    absolute name and no `..` in any."""
+    try:
+        with tarfile.open(path) as tar:
+            for n, member in enumerate(tar):
+                if n >= MAX_TAR_MEMBERS:
+                    raise InvalidInput(f"template files: more than {MAX_TAR_MEMBERS} entries")
+                parts = member.name.split("/")
+                if member.name.startswith("/") or ".." in parts:
+                    raise InvalidInput(f"template files: unsafe name {member.name[:200]!r}")
+                if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+                    raise InvalidInput(f"template files: {member.name[:200]!r} is not a file, directory or link")
+    except (tarfile.TarError, EOFError) as exc:
+        raise InvalidInput(f"template files are not a tar: {exc}") from None

@@ -10,7 +10,7 @@ rest are Strata's own (images, snapshots, cache, exec).
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
@@ -233,16 +233,16 @@ class TemplateBuildFileUpload(Reply):
 
 
 class TemplateStep(Lenient):
-    type: str
-    args: list[str] = Field(default_factory=list)
-    filesHash: str | None = None
+    type: str = Field(max_length=32)
+    args: list[Annotated[str, Field(max_length=1 << 16)]] = Field(default_factory=list, max_length=256)
+    filesHash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")  # names a file of the node's: only a hash
     force: bool | None = None
 
 
 class TemplateBuildStartV2(Lenient):
     fromImage: str | None = None
     fromTemplate: str | None = None
-    steps: list[TemplateStep] = Field(default_factory=list)
+    steps: list[TemplateStep] = Field(default_factory=list, max_length=1000)
     startCmd: str | None = None
     readyCmd: str | None = None
     force: bool | None = None

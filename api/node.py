@@ -64,6 +64,7 @@ from .uploads import reap as reap_uploads
 
 log = logging.getLogger("strata.api")
 POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
+RESERVED_METADATA = "strata."  # metadata keys only the node sets (a client's would hide its sandbox)
 
 
 __all__ = ["Capacity", "Node", "Source"]
@@ -165,7 +166,8 @@ class Node:
     def _reap_leftovers(self) -> None:
         """Files a killed server or writer left: partial uploads, store temp files."""
         try:
-            uploads, tmp = reap_uploads(Path(self.config.state_dir) / "uploads"), self.store.reap_tmp()
+            uploads = reap_uploads(Path(self.config.state_dir) / "uploads") + reap_uploads(self.builds.files)
+            tmp = self.store.reap_tmp()
         except (OSError, StrataError) as exc:
             log.error("removing leftover temp files: %s", exc)
             return
@@ -215,6 +217,7 @@ class Node:
             if time.monotonic() >= moved_check:
                 moved_check = time.monotonic() + 30
                 self.forget_moved()
+                self._quietly_os(self.builds.reap_uploads, time.time())
             try:
                 self.supervisor.check(time.time())
             except (OSError, StrataError) as exc:  # never let the reaper thread die
@@ -229,6 +232,13 @@ class Node:
         while not self._stop.is_set():
             self.fill_pools()
             self._stop.wait(2.0)
+
+    def _quietly_os(self, action: object, *args: object) -> None:
+        """`action(*args)`, an OSError logged (a full or failing disk: next time)."""
+        try:
+            action(*args)  # type: ignore[operator]
+        except OSError as exc:
+            log.error("%s: %s", getattr(action, "__name__", action), exc)
 
     def _quietly(self, action: object, *args: object) -> None:
         try:
@@ -387,9 +397,10 @@ class Node:
     def _capacity(self, sids: list[str], caller: Caller = ADMIN) -> Iterator[None]:
         """Hold places for `sids` while they are created, so concurrent
         creates cannot overshoot the node's limit, or the caller's team's,
-        between the check and the record."""
+        between the check and the record. A build's sandbox holds a place
+        like any other (only the warm pool's, which a create takes over, do not)."""
         with self._capacity_lock:
-            records = self.records()
+            records = [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
             held = {r.sid for r in records} | set(self._reserved)
             if len(held) + len(sids) > self.config.max_sandboxes:
                 raise Capacity(f"this node holds {len(held)} sandboxes; the limit is {self.config.max_sandboxes}")
@@ -403,6 +414,13 @@ class Node:
             with self._capacity_lock:
                 for sid in sids:
                     self._reserved.pop(sid, None)
+
+    def start_build_sandbox(self, source: Source, *, sid: str, build_id: str, team: str) -> SandboxRecord:
+        """A template build's sandbox (never listed), within the node's
+        capacity and counted among the team's sandboxes."""
+        with self._capacity([sid], Caller(team)):
+            return self.start_sandbox(source, sid=sid, metadata={BUILD_KEY: build_id}, timeout=None,
+                                      auto_pause=False, team=team)
 
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
@@ -475,8 +493,8 @@ class Node:
                metadata: dict[str, str], env: dict[str, str] | None = None,
                disk_mb: int | None = None, egress: Egress | None = None, public: bool = True) -> SandboxRecord:
         ttl = self._ttl(timeout)
-        if POOL_KEY in metadata:
-            raise InvalidInput(f"metadata key {POOL_KEY} is reserved")
+        if any(key.startswith(RESERVED_METADATA) for key in metadata):
+            raise InvalidInput(f"metadata keys starting with {RESERVED_METADATA} are reserved")
         source = self.source(template_id, caller)
         sid = new_sid()
         with self._capacity([sid], caller):

@@ -41,14 +41,14 @@ async def staged(chunks: AsyncIterator[bytes], *, directory: Path, limit: int,
     """The body `chunks` as a file in `directory` for the duration of the
     block; `declared` is the request's Content-Length, if it sent one."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"image of {declared} bytes exceeds the {limit}-byte upload limit")
+        raise TooLarge(f"upload of {declared} bytes exceeds the {limit}-byte limit")
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".upload-")
     try:
         with os.fdopen(fd, "wb") as f:
             received = await _receive(chunks, f, limit=limit)
         if received == 0:
-            raise InvalidInput("empty upload: send the raw image as the request body")
+            raise InvalidInput("empty upload: send the content as the request body")
         yield Path(tmp)
     finally:
         os.unlink(tmp)

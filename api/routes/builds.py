@@ -4,15 +4,14 @@ api/builds.py's."""
 
 from __future__ import annotations
 
-import os
 import re
 
+import anyio
 from fastapi import APIRouter, Query, Request, Response
-
-from layerstore.errors import InvalidInput
 
 from .. import models as m
 from ..deps import AUTH, CallerDep, NodeDep
+from ..uploads import staged
 
 router = APIRouter(tags=["templates"], dependencies=AUTH)
 uploads = APIRouter(include_in_schema=False)  # the SDK PUTs files without an API key: a signed URL instead
@@ -39,29 +38,20 @@ def request_build(body: m.TemplateBuildRequestV3, node: NodeDep, caller: CallerD
             summary="Where to upload a COPY step's files (present: already here)")
 def upload_link(templateID: str, hash: str, request: Request, node: NodeDep,
                 caller: CallerDep) -> m.TemplateBuildFileUpload:
-    token = node.builds.upload_token(templateID, hash)
-    if node.builds.check_upload(templateID, hash, token).exists():
+    grant = node.builds.upload_grant(caller, templateID, hash)
+    if node.builds.upload_path(caller.team, hash).exists():
         return m.TemplateBuildFileUpload(present=True)
-    url = f"{str(request.base_url).rstrip('/')}/templates/{templateID}/files/{hash}?token={token}"
-    return m.TemplateBuildFileUpload(present=False, url=url)
+    url = request.url_for("upload_files", templateID=templateID, hash=hash).include_query_params(**grant)
+    return m.TemplateBuildFileUpload(present=False, url=str(url))
 
 
 @uploads.put("/templates/{templateID}/files/{hash}")
-async def upload_files(templateID: str, hash: str, request: Request, node: NodeDep,
-                       token: str = Query("")) -> Response:
-    path = node.builds.check_upload(templateID, hash, token)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part, size = path.with_suffix(f".part{os.getpid()}"), 0
-    try:
-        with open(part, "wb") as f:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_FILES_UPLOAD:
-                    raise InvalidInput(f"template files past {MAX_FILES_UPLOAD} bytes")
-                f.write(chunk)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
+async def upload_files(templateID: str, hash: str, request: Request, node: NodeDep, team: str = Query(""),
+                       expires: str = Query(""), token: str = Query("")) -> Response:
+    dest = node.builds.check_grant(templateID, hash, team=team, expires=expires, token=token)  # before any byte
+    async with staged(request.stream(), directory=node.builds.files, limit=MAX_FILES_UPLOAD,
+                      declared=request.headers.get("content-length")) as tar:
+        await anyio.to_thread.run_sync(node.builds.keep_upload, tar, dest)
     return Response(status_code=200)
 
 
