@@ -252,9 +252,10 @@ def test_paused_sandboxes_survive_a_restart(server: NodeServer) -> None:
 
 
 def test_metrics(server: NodeServer) -> None:
-    c = server.client
+    c = server.admin
     sid = c.post("/sandboxes", json={"templateID": "base"}).json()["sandboxID"]
     assert c.get("/sandboxes/nope").status_code == 404
+    assert server.client.get("/metrics").status_code == 403  # every team's sandboxes: an admin's view
     text = c.get("/metrics").text
     assert 'strata_sandboxes{state="running"} 1.0' in text
     assert c.delete(f"/sandboxes/{sid}").status_code == 204

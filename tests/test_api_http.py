@@ -127,5 +127,6 @@ def test_health_without_a_key_shows_status_only(client: TestClient) -> None:
 def test_metrics_label_only_known_methods(client: TestClient) -> None:
     for i in range(20):
         client.request(f"BREW{i}", "/v2/sandboxes")
-    rendered = client.get("/metrics").text
+    assert client.get("/metrics").status_code == 403  # every team's sandboxes: admins only
+    rendered = client.get("/metrics", headers={"X-API-Key": ADMIN}).text
     assert "BREW" not in rendered and 'method="other"' in rendered

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .. import models as m
-from ..deps import AUTH, KEY_HEADER, NodeDep
+from ..deps import ADMIN, AUTH, KEY_HEADER, NodeDep
 from ..teams import caller_of
 
 router = APIRouter(tags=["node"])
@@ -28,9 +28,10 @@ def health(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> JSONResponse
     return JSONResponse(shown, status_code=200 if body.mount else 503)
 
 
-@router.get("/metrics", dependencies=AUTH, response_class=PlainTextResponse,
+@router.get("/metrics", dependencies=ADMIN, response_class=PlainTextResponse,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 def metrics(node: NodeDep) -> Response:
+    """Admin keys only: the node's series name every team's sandboxes."""
     return Response(node.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

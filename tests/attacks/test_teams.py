@@ -1,0 +1,58 @@
+"""Rows: one team against another's sandbox through the control plane, the
+node's metrics and the data plane. Another team's sandbox answers exactly as
+a missing one, and nothing lists its id."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.attacks.lab import Lab
+
+ACTIONS = [  # (method, path after /sandboxes/{id}, body)
+    ("GET", "", None), ("DELETE", "", None), ("POST", "/pause", None), ("POST", "/resume", {"timeout": 60}),
+    ("POST", "/connect", {"timeout": 60}), ("POST", "/timeout", {"timeout": 60}), ("POST", "/refreshes", {}),
+    ("POST", "/fork", {"count": 1}), ("POST", "/exec", {"command": "cat /etc/hostname"}),
+    ("GET", "/logs", None), ("GET", "/metrics", None), ("PUT", "/network", {"allowOut": ["0.0.0.0/0"]}),
+    ("POST", "/snapshots", {"name": "stolen"}),
+]
+
+
+@pytest.mark.parametrize("method,action,body", ACTIONS, ids=[f"{m} {a or '/'}" for m, a, _ in ACTIONS])
+def test_another_teams_sandbox_is_missing(lab: Lab, method: str, action: str, body: dict | None) -> None:
+    """attacker: team beta, knowing alpha's sandbox id.  target: alpha's
+    sandbox.  attempt: every control-plane action on it.  must: 404 with the
+    message a missing sandbox gets; alpha's sandbox still runs."""
+    sid = lab.sandbox["sandboxID"]
+    r = lab.beta.request(method, f"/sandboxes/{sid}{action}", json=body)
+    assert r.status_code == 404, r.text
+    assert sid in r.json()["message"] and "not found" in r.json()["message"]
+    assert lab.alpha.get(f"/sandboxes/{sid}").json()["state"] == "running"
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/v2/sandboxes", "/sandboxes", "/sandboxes/metrics?sandbox_ids={sid}",
+                                  "/snapshots", "/templates", "/images", "/admin/sandboxes"])
+def test_no_listing_names_another_teams_sandbox(lab: Lab, path: str) -> None:
+    """attacker: team beta.  target: alpha's sandbox id (with public ports
+    by default, the id is what reaches alpha's services).  attempt: every
+    listing, the node's Prometheus metrics included.  must: alpha's id
+    appears nowhere beta can read."""
+    sid = lab.sandbox["sandboxID"]
+    r = lab.beta.get(path.format(sid=sid))
+    if "{sid}" in path:  # asked by id: answered as a missing one, which names only what was asked
+        assert r.status_code == 404 and r.json()["message"] == f"sandbox {sid} not found", r.text
+        return
+    assert r.status_code in (200, 403), r.text
+    assert sid not in r.text
+
+
+def test_the_data_plane_wants_the_sandboxs_own_token(lab: Lab) -> None:
+    """attacker: team beta, with its own key but not alpha's sandbox token.
+    target: alpha's guest through envd's data plane.  attempt: reading a
+    file with beta's API key, with no token, with a wrong one.  must: 401,
+    nothing read."""
+    sid = lab.sandbox["sandboxID"]
+    for headers in ({"X-API-Key": lab.beta.headers["X-API-Key"]}, {}, {"X-Access-Token": "0" * 32}):
+        r = httpx.get(f"{lab.node.url}/files", params={"path": "/etc/hostname"},
+                      headers={"E2b-Sandbox-Id": sid, **headers})
+        assert r.status_code == 401, r.text
