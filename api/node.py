@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -451,6 +452,13 @@ class Node:
             return self.boxes.restore(source.target, sid=sid, metadata=metadata, egress=egress or self.egress(),
                                       **lifetime).record
 
+    def _check_disk_room(self, disk_mb: int) -> None:
+        """InvalidInput if a disk of `disk_mb` MiB could not be filled on
+        this node: its writes land in upper layers under the state directory."""
+        free = shutil.disk_usage(self.config.state_dir).free
+        if disk_mb << 20 > free:
+            raise InvalidInput(f"diskSizeMB {disk_mb} is more than this node's free space ({free >> 20} MiB)")
+
     def egress(self, internet: bool | None = None, allow: list[str] | None = None,
                deny: list[str] | None = None) -> Egress:
         """Validated rules of a new sandbox (InvalidInput names a bad one);
@@ -496,6 +504,8 @@ class Node:
         if any(key.startswith(RESERVED_METADATA) for key in metadata):
             raise InvalidInput(f"metadata keys starting with {RESERVED_METADATA} are reserved")
         source = self.source(template_id, caller)
+        if disk_mb:
+            self._check_disk_room(disk_mb)
         sid = new_sid()
         with self._capacity([sid], caller):
             pooled = (self._take_from_pool(template_id)
@@ -527,8 +537,10 @@ class Node:
         """E2B's pause: snapshot to the store and free the VM (Conflict if
         already paused). Its record goes to the store too, so any node can
         wake it if this one is gone."""
-        if self.record(sid, caller).state == "suspended":
+        record = self.record(sid, caller)
+        if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is already paused")
+        self.catalog.check_snapshot_quota(Caller(record.team))  # a pause keeps a snapshot (the reaper's does not ask)
         with self.vmm("pause"):
             snapshot_id = self.boxes.suspend(sid)
         self._paused(sid)
@@ -632,6 +644,7 @@ class Node:
         record = self.record(sid, caller)
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it before forking")
+        self.catalog.check_snapshot_quota(Caller(record.team))  # the forks restore a snapshot of it, kept
         ttl = self._ttl(timeout)
         names = [new_sid() for _ in range(count)]
         with self._capacity(names, Caller(record.team)), self.vmm("fork"):
