@@ -40,6 +40,7 @@ from vmm.network import PoolExhausted
 
 from . import models as m
 from .exceptions import Capacity, Forbidden, TooLarge
+from .teams import QuotaExceeded
 
 
 # first match wins: TooLarge before its base class InvalidInput
@@ -49,6 +50,7 @@ STATUS: tuple[tuple[type[StrataError], int], ...] = (
     (CorruptObject, 409), (AgentBusy, 409), (AgentTimeout, 504), (AgentError, 502),
     (BackendUnavailable, 503), (BackendError, 502))  # AccessDenied is a BackendError
 NO_RETRY = (429, 503)  # E2B's SDK retries unless told not to; neither clears up by retrying at once
+LIMIT_HEADER = "X-Strata-Limit"  # on a 429: "team" (the team's quota, the same on every node) or "node" (this one is full)
 DOCUMENTED = {code: {"model": m.Error} for code in (400, 401, 403, 404, 409, 413, 429, 500, 502, 503, 504)}
 
 
@@ -64,7 +66,10 @@ async def _strata_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StrataError)
     request.app.state.node.metrics.error(exc)
     status = status_of(exc)
-    return error_response(status, str(exc), {"Should-Retry": "false"} if status in NO_RETRY else None)
+    headers = {"Should-Retry": "false"} if status in NO_RETRY else {}
+    if status == 429:
+        headers[LIMIT_HEADER] = "team" if isinstance(exc, QuotaExceeded) else "node"
+    return error_response(status, str(exc), headers or None)
 
 
 async def _bad_request(_request: Request, exc: Exception) -> JSONResponse:
