@@ -307,7 +307,7 @@ class Gateway:
             await refuse(scope, send, 413, f"request body over {MAX_BODY} bytes")
             return
         response = await self._try(scope, member, body, what)
-        if moving and (isinstance(response, Unreachable) or response.status_code == 429):
+        if moving and (isinstance(response, Unreachable) or _node_refused(response)):
             # a resume its node cannot take (gone, or full): the scheduler's pick takes the sandbox over
             others = [m for m in await anyio.to_thread.run_sync(self.cluster.schedule, "") if m != member]
             if others:
@@ -370,7 +370,7 @@ class Gateway:
             except Unreachable as exc:
                 last = (exc.status, str(exc))
                 continue
-            if response.status_code in (429, 503) and member is not members[-1]:
+            if _node_refused(response) and member is not members[-1]:
                 await response.aread()
                 last = (response.status_code, response.text)
                 await response.aclose()
@@ -509,6 +509,13 @@ def _asked_with(scope: Scope) -> list[tuple[str, str]]:
     """The caller's headers for a request of the gateway's own to a node (its key, above all)."""
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
             if k.lower() not in (b"host", b"content-length", b"connection")]
+
+
+def _node_refused(response: httpx.Response) -> bool:
+    """The node is full or draining: another may take the request. A team at
+    its quota (X-Strata-Limit: team) is refused the same everywhere."""
+    return response.status_code == 503 or (response.status_code == 429
+                                           and response.headers.get("x-strata-limit") != "team")
 
 
 def _wakes(scope: Scope) -> bool:

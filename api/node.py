@@ -36,7 +36,7 @@ from pathlib import Path
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
-from layerstore.nodes import Heartbeat, node_id_of
+from layerstore.nodes import Heartbeat, node_id_of, read_nodes
 from layerstore.oci import runtime_of
 from layerstore.refs import parse_ref
 from layerstore.store import Store
@@ -65,6 +65,7 @@ from .uploads import reap as reap_uploads
 
 log = logging.getLogger("strata.api")
 POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
+TEAMS_TTL = 2.0  # seconds other nodes' team counts are reused for quota checks
 RESERVED_METADATA = "strata."  # metadata keys only the node sets (a client's would hide its sandbox)
 
 
@@ -93,6 +94,7 @@ class Node:
         self._pool_lock = threading.Lock()
         self._pool_retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
         self._capacity_lock = threading.Lock()
+        self._elsewhere: tuple[float, dict[str, int]] = (-TEAMS_TTL, {})  # (read at, team -> sandboxes on other nodes)
         self._reserved: dict[str, str] = {}  # ids of sandboxes being created -> their team
         self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
                                node_users=boxes.registry.snapshot_users)
@@ -400,6 +402,8 @@ class Node:
         creates cannot overshoot the node's limit, or the caller's team's,
         between the check and the record. A build's sandbox holds a place
         like any other (only the warm pool's, which a create takes over, do not)."""
+        limited = self.config.team_limit(self.config.team_max_sandboxes, caller.team) is not None
+        elsewhere = self.held_elsewhere(caller.team) if limited else 0
         with self._capacity_lock:
             records = [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
             held = {r.sid for r in records} | set(self._reserved)
@@ -407,7 +411,8 @@ class Node:
                 raise Capacity(f"this node holds {len(held)} sandboxes; the limit is {self.config.max_sandboxes}")
             team = {r.sid for r in records if r.team == caller.team}
             team |= {sid for sid, owner in self._reserved.items() if owner == caller.team}
-            check_quota(self.config, caller, setting="team_max_sandboxes", used=len(team), adding=len(sids))
+            check_quota(self.config, caller, setting="team_max_sandboxes", used=len(team) + elsewhere,
+                        adding=len(sids))
             self._reserved.update(dict.fromkeys(sids, caller.team))
         try:
             yield
@@ -752,15 +757,38 @@ class Node:
         held = 0
         pools: dict[str, int] = {}
         templates: dict[str, int] = {}
+        teams: dict[str, int] = {}  # sandboxes each team holds here, builds' too: quotas count the cluster's
         for r in self.boxes.registry.all():
             pool = r.metadata.get(POOL_KEY)
             if pool is not None:
                 pools[pool] = pools.get(pool, 0) + 1
-            elif BUILD_KEY not in r.metadata:
+                continue
+            teams[r.team] = teams.get(r.team, 0) + 1
+            if BUILD_KEY not in r.metadata:
                 held += 1
                 templates[r.template] = templates.get(r.template, 0) + 1
         return {"url": self.url, "max": self.config.max_sandboxes, "held": held, "pools": pools,
-                "templates": templates}
+                "templates": templates, "teams": teams}
+
+    def held_elsewhere(self, team: str) -> int:
+        """Sandboxes `team` holds on the other live nodes of this store, as
+        their records said at most TEAMS_TTL seconds ago: a team's quota is
+        the cluster's, not each node's. A store that fails counts nothing
+        (the quota is then per node until it answers)."""
+        with self._capacity_lock:
+            read_at, counts = self._elsewhere
+        if time.monotonic() - read_at > TEAMS_TTL:
+            counts = {}
+            try:
+                for view in read_nodes(self.store.backend):
+                    if view.live and view.node != self.node_id:
+                        for name, n in (view.about.get("teams") or {}).items():
+                            counts[str(name)] = counts.get(str(name), 0) + (n if isinstance(n, int) else 0)
+            except StrataError as exc:
+                log.warning("reading other nodes' records for team quotas: %s", exc)
+            with self._capacity_lock:
+                self._elsewhere = (time.monotonic(), counts)
+        return counts.get(team, 0)
 
     @property
     def url(self) -> str:

@@ -128,6 +128,13 @@ class Lab:
         assert r.status_code == 201, r.text
         self.sandbox = r.json()
 
+    def own_image(self, client: httpx.Client, name: str) -> str:
+        """Image `name` (the guest's rootfs) of `client`'s team, uploaded once."""
+        if client.get(f"/images/{name}").status_code == 404:
+            r = client.put(f"/images/{name}", content=(self.guest / "rootfs.ext4").read_bytes())
+            assert r.status_code == 201, r.text
+        return name
+
     def close(self) -> None:
         self.gateway.stop()
         self.alpha.close()

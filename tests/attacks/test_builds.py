@@ -158,8 +158,7 @@ def test_a_build_holds_a_place_of_its_team(lab: Lab) -> None:
     capacity and gamma's quota.  attempt: a build (whose sandbox was not
     counted) running while gamma creates a sandbox.  must: the create is
     429 while the build runs; once it is done, gamma's place is free."""
-    rootfs = (lab.guest / "rootfs.ext4").read_bytes()
-    assert lab.gamma.put("/images/guest:gamma", content=rootfs).status_code == 201
+    lab.own_image(lab.gamma, "guest:gamma")
     build_id = request_build(lab.gamma, "gamma-tpl")
     r = lab.gamma.post(f"/v2/templates/gamma-tpl/builds/{build_id}",
                        json={"fromImage": "guest:gamma", "steps": [{"type": "RUN", "args": ["sleep 6"]}]})
@@ -178,8 +177,7 @@ def test_a_waiting_build_cannot_take_a_template_made_since(lab: Lab) -> None:
     build of the same name runs (the name was free when beta asked).
     attempt: beta's build finishes after alpha's create.  must: the build
     fails naming the conflict; alpha's template is alpha's, unchanged."""
-    rootfs = (lab.guest / "rootfs.ext4").read_bytes()
-    assert lab.beta.put("/images/guest:beta", content=rootfs).status_code == 201
+    lab.own_image(lab.beta, "guest:beta")
     build_id = request_build(lab.beta, "contested")
     r = lab.beta.post(f"/v2/templates/contested/builds/{build_id}",
                       json={"fromImage": "guest:beta", "steps": [{"type": "RUN", "args": ["sleep 4"]}]})
