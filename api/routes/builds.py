@@ -9,6 +9,8 @@ import re
 import anyio
 from fastapi import APIRouter, Query, Request, Response
 
+from layerstore.errors import InvalidInput
+
 from .. import models as m
 from ..deps import AUTH, CallerDep, NodeDep
 from ..uploads import staged
