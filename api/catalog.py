@@ -6,7 +6,9 @@ image ref or chunk digest is simply unknown (404), so a path-like name never
 reaches the store. A snapshot is deleted only when nothing needs it any more
 (templates, and the paused sandboxes the node reports as `node_users`).
 Every method takes the caller: another team's object is unknown, and a name
-another team holds cannot be taken over (api/teams.py).
+another team holds cannot be taken over (api/teams.py). Image names in the
+store's own namespace (`strata-*`, layerstore/refs.py) are no team's to
+write or remove: only an admin may (`writable_ref`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from layerstore.chunk import chunk_key
 from layerstore.config import DEFAULT_TEAM, NodeConfig
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
-from layerstore.refs import parse_ref
+from layerstore.refs import RESERVED_PREFIX, Ref, is_reserved, parse_ref
 from layerstore.store import Store, inspect_image
 from layerstore.templates import Template, check_template_name, new_template
 
@@ -34,6 +36,24 @@ def _ref(text: str) -> str:
         return str(parse_ref(text))
     except InvalidInput:
         raise NotFound(f"image {text!r} not found") from None
+
+
+def check_not_reserved(caller: Caller, ref: Ref) -> None:
+    """InvalidInput (400) if `ref` is in the store's own namespace and the
+    caller no admin: the OCI importer builds new images on its
+    `strata-oci:<chain id>` disks, the node boots from `strata-boot`."""
+    if is_reserved(ref) and not caller.admin:
+        raise InvalidInput(f"image name {ref.name!r} is reserved: names starting with {RESERVED_PREFIX!r} are the "
+                           "node's own (OCI layer chains, boot layers, the demo image); choose another name")
+
+
+def writable_ref(caller: Caller, text: str) -> str:
+    """`text` as NAME:TAG for an image the caller writes: 400 if it is no
+    ref or a reserved name (`check_not_reserved`); checked where the request
+    is parsed, before a byte of the body is read."""
+    ref = parse_ref(text)
+    check_not_reserved(caller, ref)
+    return str(ref)
 
 
 class Catalog:
@@ -159,12 +179,16 @@ class Catalog:
                              missing_chunks=info.missing_chunks)
 
     def delete_image(self, caller: Caller, ref: str) -> None:
-        """Remove the ref; its data stays until GC."""
+        """Remove the ref; its data stays until GC. A reserved name is 400
+        (`check_not_reserved`) whoever holds it."""
+        check_not_reserved(caller, parse_ref(_ref(ref)))
         self.store.delete_ref(self._check_image(caller, ref))
 
     def check_import(self, caller: Caller, ref: str, declared: str | None) -> None:
-        """Before a byte is read: the ref is not another team's (409) and the
-        declared size fits the team's stored-bytes quota (429)."""
+        """Before a byte is read: the ref is not reserved (400), not another
+        team's (409), and the declared size fits the team's stored-bytes
+        quota (429)."""
+        check_not_reserved(caller, parse_ref(ref))
         self._check_ref_free(caller, ref)
         if self.config.team_limit(self.config.team_max_stored, caller.team) is not None:
             adding = int(declared) if declared and declared.isdigit() else 0

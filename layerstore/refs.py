@@ -9,6 +9,14 @@ Names and tags become path components and object keys, so they are held to a
 strict alphabet: a letter or digit, then letters, digits, `.`, `_`, `-`, at
 most 128 characters. Anything else (`/`, `..`, NUL, spaces) is refused with a
 message before it reaches a backend.
+
+Names starting with `strata-` are the store's and node's own (`is_reserved`):
+`strata-oci` (the OCI importer's layer chains, layerstore/rootfs.py),
+`strata-boot` (a node's kernel and initrd layers), `strata-guest` (the demo
+image); the API lets no team write one. A ref the store writes for itself
+records the owner `STORE_OWNER`, which is no team's name (a team name never
+holds '@', layerstore/config.py), so a reader that trusts such a ref for who
+wrote it can tell it from any ref an API caller made.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from .errors import CorruptObject, InvalidInput
 _PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DEFAULT_TAG = "latest"
 REF_PREFIX = "refs/"
+RESERVED_PREFIX = "strata-"  # names the store and node write for themselves
+STORE_OWNER = "@store"  # the owner of refs the store writes for itself: no team can be named so
 
 
 @dataclass(frozen=True, order=True)
@@ -60,6 +70,12 @@ def parse_ref(text: str) -> Ref:
     _check_part(name, "name", text)
     _check_part(tag, "tag", text)
     return Ref(name, tag)
+
+
+def is_reserved(ref: Ref) -> bool:
+    """True if `ref` is in the store's and node's own namespace (`strata-*`):
+    no API caller but an admin may write or remove one."""
+    return ref.name.startswith(RESERVED_PREFIX)
 
 
 def ref_from_key(key: str) -> Ref | None:

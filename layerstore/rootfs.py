@@ -11,7 +11,13 @@ or, when the store already has the disk of a prefix of the image's layers
 so the new disk keeps the old one's blocks where they were and shares its
 chunks (mkfs.ext4 -d lays a whole tree out afresh: one added file then
 changed nearly every chunk). Every imported image's full chain is tagged
-`strata-oci:<chain id>` for the versions after it.
+`strata-oci:<chain id>` for the versions after it, the tag owned by
+`STORE_OWNER` and the disk's manifest annotated with the whole chain id
+(`oci.chain`). A disk is built on only when both say so: a chain ref that
+any other writer made (a team's API upload from before names were reserved,
+a bare key, an admin's PUT, a copy from another store) is ignored, since
+every later version of the image would carry its writer's files. The
+import is then built from the layers alone, and tags the chain afresh.
 
 Each layer is a tar (plain, gzip or zstd) applied the way OCI says: an
 entry `.wh.NAME` deletes NAME from the layers below, `.wh..wh..opq` empties
@@ -31,6 +37,7 @@ remove; nothing is published before the disk is whole.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -50,7 +57,10 @@ from .errors import CorruptObject, InvalidInput, NotFound, StrataError
 from .exporter import export_image
 from .importer import ImportResult, import_image
 from .oci import Blob, Hashing, Image, open_image
+from .refs import STORE_OWNER
 from .store import Store
+
+log = logging.getLogger("strata.rootfs")
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
@@ -59,6 +69,7 @@ DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_MAX_ENTRIES = 4_000_000
 CHAIN_REF = "strata-oci"  # refs NAME of the disks of layer chains, tagged by chain id
 CHAIN_TAG = 32  # hex digits of a chain id kept in its tag
+CHAIN_NOTE = "oci.chain"  # annotation: the whole chain id of the layers a disk holds
 
 
 @dataclass
@@ -256,31 +267,75 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def chain_ids(image: Image) -> list[str]:
+def full_chain_ids(image: Image) -> list[str]:
     """For each k, an id of layers 1..k (their digests in order), as OCI's
-    ChainID; empty past the first layer whose container names no digest."""
+    ChainID, all 64 hex digits; empty past the first layer whose container
+    names no digest."""
     out, h = [], hashlib.sha256()
     for blob in image.layers:
         if not blob.digest:
             break
         h.update(blob.digest.encode() + b"\n")
-        out.append(h.copy().hexdigest()[:CHAIN_TAG])
+        out.append(h.copy().hexdigest())
     return out
 
 
+def chain_ids(image: Image) -> list[str]:
+    """The chain ids as their tags keep them (`CHAIN_TAG` hex digits)."""
+    return [chain[:CHAIN_TAG] for chain in full_chain_ids(image)]
+
+
 def chain_ref(chain_id: str) -> str:
-    return f"{CHAIN_REF}:{chain_id}"
+    """The ref tagging the disk of a chain (a whole id or its tag)."""
+    return f"{CHAIN_REF}:{chain_id[:CHAIN_TAG]}"
 
 
-def _known_prefix(store: Store, chains: list[str]) -> int:
-    """How many leading layers a disk in the store already holds (0: none)."""
+def trusted_chain(store: Store, chain: str) -> str | None:
+    """The manifest of the disk of `chain` (a whole chain id) if the store
+    itself tagged it: its ref owned by `STORE_OWNER` (no team's name can be
+    that) and its manifest recording this very chain. Else None, and a
+    warning when a ref is there: a ref anyone else wrote names a disk of
+    their choosing, which an import built on it would pass to every later
+    version of the image."""
+    ref = chain_ref(chain)
+    try:
+        manifest_id, owner = store.ref_entry(ref)
+        noted = store.get_layer(manifest_id).annotations.get(CHAIN_NOTE) if owner == STORE_OWNER else None
+    except NotFound:
+        return None
+    except CorruptObject as exc:
+        log.warning("%s: not built on: %s", ref, exc)
+        return None
+    if noted != chain:
+        why = f"owner {owner!r}, not the store" if owner != STORE_OWNER else "its disk is of another chain"
+        log.warning("%s: not built on: the store did not tag it (%s); building from the layers", ref, why)
+        return None
+    return manifest_id
+
+
+def _trusted_prefix(store: Store, chains: list[str]) -> tuple[int, str]:
+    """(k, manifest id) of the longest prefix of layers 1..k whose disk the
+    store itself tagged ((0, ""): none)."""
     for k in range(len(chains), 0, -1):
-        try:
-            store.resolve(chain_ref(chains[k - 1]))
-            return k
-        except NotFound:
-            continue
-    return 0
+        manifest_id = trusted_chain(store, chains[k - 1])
+        if manifest_id is not None:
+            return k, manifest_id
+    return 0, ""
+
+
+def _reuse(store: Store, chains: list[str], disk: Path) -> int:
+    """Export to `disk` the disk of the longest known prefix of the layers;
+    how many layers it holds (0: none, nothing written). The export resolves
+    the ref again, so what it exported is checked to be what was trusted."""
+    known, manifest_id = _trusted_prefix(store, chains)
+    if not known:
+        return 0
+    exported = export_image(store, chain_ref(chains[known - 1]), disk)
+    if exported.manifest_id != manifest_id:
+        log.warning("%s moved while it was exported: building from the layers", chain_ref(chains[known - 1]))
+        disk.unlink(missing_ok=True)
+        return 0
+    return known
 
 
 def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: int | None = None,
@@ -288,22 +343,25 @@ def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: in
     """Import an OCI layout/archive or `docker save` archive as the ext4
     disk image `ref`: layers applied into a private build directory under
     `build_root`, which is removed afterwards whatever happens; on the disk
-    of the longest prefix of its layers the store has, if any (module
-    docstring). The image config's Env, WorkingDir, User, Entrypoint and Cmd
-    ride along as the layer's `oci.config` annotation. `import_options` go
-    to `import_image`."""
+    of the longest prefix of its layers the store itself tagged, if any
+    (module docstring). The image config's Env, WorkingDir, User, Entrypoint
+    and Cmd ride along as the layer's `oci.config` annotation, the whole
+    chain id as `oci.chain`. `import_options` go to `import_image`."""
     image = open_image(path)
     build_root.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix="oci-", dir=build_root))
-    chains = chain_ids(image)
+    chains = full_chain_ids(image)
+    whole = bool(chains) and len(chains) == len(image.layers)  # every layer has a digest: the disk can be tagged
     try:
         os.chmod(build, 0o700)  # device nodes and setuid files live here until mkfs
         disk = build / "rootfs.ext4"
         _build_disk(store, image, chains, build, disk, Limits(max_bytes=max_bytes), size)
         notes = {"source": path.name, "format": "oci", **image.runtime()}
+        if whole:
+            notes[CHAIN_NOTE] = chains[-1]
         result = import_image(store, disk, ref, annotations=notes, **import_options)
-        if len(chains) == len(image.layers):
-            store.set_ref(chain_ref(chains[-1]), result.manifest_id)
+        if whole:
+            store.set_ref(chain_ref(chains[-1]), result.manifest_id, owner=STORE_OWNER)
         return result
     finally:
         image.source.close()
@@ -312,11 +370,10 @@ def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: in
 
 def _build_disk(store: Store, image: Image, chains: list[str], build: Path, disk: Path, limits: Limits,
                 size: int | None) -> None:
-    """The ext4 disk of all the image's layers, on the longest known prefix's disk if any."""
+    """The ext4 disk of all the image's layers, on the longest trusted prefix's disk if any."""
     try:
-        known = _known_prefix(store, chains) if size is None else 0
+        known = _reuse(store, chains, disk) if size is None else 0
         if known:
-            export_image(store, chain_ref(chains[known - 1]), disk)
             more = _layers_bytes(image, known)
             if _free_bytes(disk) < more + more // 4 + (16 << 20):  # growing moves metadata: only when needed
                 _grow(disk, more)

@@ -457,8 +457,8 @@ class Store:
         return manifest_id
 
     def set_ref(self, ref: Ref | str, manifest_id: str, *, owner: str = "") -> None:
-        """Point a ref at an existing manifest (recording `owner`, an opaque
-        label the API uses for teams)."""
+        """Point a ref at an existing manifest (recording `owner`: the API
+        records the caller's team, the store itself `refs.STORE_OWNER`)."""
         ref = parse_ref(ref) if isinstance(ref, str) else ref
         check_digest(manifest_id, what="manifest id")
         if self.backend.stat(manifest_key(manifest_id)) is None:
@@ -473,6 +473,17 @@ class Store:
             return decode_ref_owner(self.backend.get(ref.key))
         except NotFound:
             raise NotFound(f"image {ref} not found in {self.describe()}") from None
+
+    def ref_entry(self, ref: Ref | str) -> tuple[str, str]:
+        """(manifest id, owner) of a ref, from one read so both describe the
+        same write (NotFound if no such ref): what a reader that trusts a ref
+        only for who wrote it checks (layerstore/rootfs.py's layer chains)."""
+        ref = parse_ref(ref) if isinstance(ref, str) else ref
+        try:
+            blob = self.backend.get(ref.key)
+        except NotFound:
+            raise NotFound(f"image {ref} not found in {self.describe()}") from None
+        return decode_ref_target(ref, blob)[0], decode_ref_owner(blob)
 
     def delete_ref(self, ref: Ref | str) -> str:
         """Remove a ref; returns the manifest it pointed at. Chunks stay until GC."""

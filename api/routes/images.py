@@ -1,12 +1,13 @@
-"""Images: raw disk images imported into the store under NAME:TAG refs."""
+"""Images: raw disk images imported into the store under NAME:TAG refs.
+Names starting with `strata-` are the node's own: a team's PUT or DELETE of
+one is 400 (api/catalog.py `writable_ref`)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from layerstore.refs import parse_ref
-
 from .. import models as m
+from ..catalog import writable_ref
 from ..deps import AUTH, CallerDep, NodeDep
 
 router = APIRouter(tags=["images"], dependencies=AUTH)
@@ -33,5 +34,5 @@ def delete_image(ref: str, node: NodeDep, caller: CallerDep) -> Response:
 @router.put("/images/{ref}", status_code=201, response_model=m.ImportResult,
             summary="Import a raw image, streamed (Content-Type: application/octet-stream)", openapi_extra=RAW_BODY)
 async def import_raw(ref: str, request: Request, node: NodeDep, caller: CallerDep) -> m.ImportResult:
-    name = str(parse_ref(ref))  # 400 on a bad name, before any byte is read
+    name = writable_ref(caller, ref)  # 400 on a bad or reserved name, before any byte is read
     return await node.catalog.import_stream(caller, name, request.stream(), declared=request.headers.get("content-length"))
