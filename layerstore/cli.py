@@ -30,6 +30,7 @@ from .errors import InvalidInput, StrataError
 if TYPE_CHECKING:  # the store's modules load when a command opens one: `strata --help` stays quick
     from .reach import Name
     from .store import Store
+    from .transfer import TransferResult
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -229,6 +230,7 @@ def cmd_image_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
     out = ctx.out
     with _store(args, ctx) as store:
         manifest_id = store.delete_ref(args.ref)
+        _rewrite_hold(ctx, store)  # the remote may collect what only this ref read lazily
     out.result(
         {"ref": args.ref, "manifest": manifest_id, "deleted": True},
         f"removed {args.ref} (manifest {manifest_id[:16]}; its chunks stay until `strata gc`)",
@@ -236,11 +238,11 @@ def cmd_image_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
     return 0
 
 
-def _copy(src: Store, dst: Store, name: str, out: Output, *, chunks: bool, verb: str, prefetch: bool = False) -> int:
-    from .transfer import copy
-
+def _copy(out: Output, name: str, verb: str,
+          run: Callable[[Callable[[int], None], Callable[[int], None]], TransferResult]) -> int:
+    """Run a push or pull (`run(progress, on_total)`) under a progress bar; print its result."""
     with out.progress(f"{verb} {name}") as (advance, set_total):
-        res = copy(src, dst, name, chunks=chunks, prefetch=prefetch, progress=advance, on_total=set_total)
+        res = run(advance, set_total)
     out.result(res.as_dict(), f"{verb} {res.name}: {res.chunks_sent} of {res.chunks_total} chunks sent "
                               f"({human_bytes(res.bytes_sent)}), {res.manifests_sent} manifests, "
                               f"{res.snapshots_sent} snapshots, {res.seconds:.2f} s")
@@ -256,17 +258,59 @@ def _remote(given: str | None, ctx: StoreContext, flag: str) -> str:
 
 
 def cmd_push(args: argparse.Namespace, ctx: StoreContext) -> int:
+    from .transfer import copy
+
     with _store(args, ctx) as src, ctx.open_store(_remote(args.to, ctx, "--to")) as dst:
-        return _copy(src, dst, args.name, ctx.out, chunks=True, verb="pushed")
+        return _copy(ctx.out, args.name, "pushed",
+                     lambda progress, on_total: copy(src, dst, args.name, progress=progress, on_total=on_total))
 
 
 def cmd_pull(args: argparse.Namespace, ctx: StoreContext) -> int:
+    """A lazy pull leaves the chunks in the remote, so it first records this
+    node's hold there (layerstore/nodes.py), whoever runs it: the remote's GC
+    keeps what this node reads even once the remote's ref is gone and no
+    `strata serve` runs here. A full pull from the remote rewrites the hold
+    without the layers it completed."""
+    from .nodes import Holds, node_id_of
+    from .transfer import pull
+
     source = _remote(args.source, ctx, "--from")
-    if not args.full and ctx.config.remote != source:
+    c = ctx.config
+    if not args.full and c.remote != source:
         raise InvalidInput(f"a lazy pull leaves chunks in {source}: this node must read them from there "
                            f"(set STRATA_REMOTE={source}, config `remote`), or pull --full")
+    if not args.full and source == c.store:
+        raise InvalidInput(f"{source} is this node's own store and its remote: nothing to pull")
     with ctx.open_store(source) as src, _store(args, ctx) as dst:
-        return _copy(src, dst, args.name, ctx.out, chunks=args.full, prefetch=args.prefetch, verb="pulled")
+        own = node_id_of(c.state_dir) if not args.full else _existing_node(ctx)
+        holds = Holds(src.backend, own, c.state_dir) if own and source == c.remote != c.store else None
+        return _copy(ctx.out, args.name, "pulled",
+                     lambda progress, on_total: pull(src, dst, args.name, holds=holds, chunks=args.full,
+                                                     prefetch=args.prefetch, progress=progress, on_total=on_total))
+
+
+def _existing_node(ctx: StoreContext) -> str | None:
+    from .nodes import existing_node_id
+
+    return existing_node_id(ctx.config.state_dir)
+
+
+def _rewrite_hold(ctx: StoreContext, store: Store) -> None:
+    """Rewrite this node's hold in its remote from `store` (the node's own)
+    after it may have lost names. Best effort: a hold left larger than
+    needed keeps chunks in the remote, it never loses any, so a remote that
+    cannot be written only earns a warning."""
+    from .nodes import Holds
+
+    c, node_id = ctx.config, _existing_node(ctx)
+    if not c.remote or c.remote == c.store or node_id is None:
+        return  # no remote, or this node never ran `serve` nor pulled lazily: it holds nothing
+    try:
+        with ctx.open_store(c.remote) as remote:
+            Holds(remote.backend, node_id, c.state_dir).refresh(store)
+    except StrataError as exc:
+        sys.stderr.write(f"strata: warning: this node's hold in {c.remote} was not rewritten ({exc}); it keeps "
+                         "more there than needed until the next pull, image rm or gc\n")
 
 
 def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
@@ -285,6 +329,8 @@ def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
         with out.progress("deleting") as (advance, _total):
             report = collect(store, grace=grace, dry_run=args.dry_run, extra_roots=extra, progress=advance,
                              own_node=own, forget_nodes=args.forget_node or [], allow_missing=args.allow_missing)
+        if not args.dry_run:
+            _rewrite_hold(ctx, store)  # what this node's store no longer reaches, its remote may collect
     r = report
     text = (f"scanned {r.scanned}, marked {r.marked}, candidates {r.candidates}, "
             + (f"would delete {r.deletable}" if r.dry_run else f"deleted {r.deleted} ({human_bytes(r.freed_bytes)} freed)")
@@ -293,6 +339,11 @@ def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
         text += f"\ndeletion postponed: {r.postponed}"
     if r.missing:
         text += f"\nroots name {len(r.missing)} missing object(s), e.g. {r.missing[0]} (run `strata verify`)"
+    if r.holds:
+        text += ("\nkept for nodes that pulled lazily from this store: "
+                 + ", ".join(f"{h['node']} ({h['layers']} layers, written {h['age'] / 86400:.1f} d ago)"
+                             for h in r.holds)
+                 + "; a node gone for good: `strata gc --forget-node NODE`")
     out.result(r.as_dict(), text)
     return 0
 
@@ -411,8 +462,9 @@ def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
     p.add_argument("--grace", default="24h", help="never delete anything younger (default 24h)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; change nothing")
     p.add_argument("--forget-node", action="append", metavar="NODE",
-                   help="remove the record of a drained node (one that will not come back) first; a stale "
-                        "record otherwise stops GC (repeatable)")
+                   help="remove the record and the hold of a drained node (one that will not come back) "
+                        "first; a stale record otherwise stops GC, and a hold keeps that node's lazily pulled "
+                        "images' chunks forever (repeatable)")
     p.add_argument("--allow-missing", action="store_true",
                    help="collect even though the store's roots name missing objects (run `strata verify` first)")
     p.set_defaults(func=cmd_gc)

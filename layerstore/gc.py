@@ -13,6 +13,9 @@ An unmarked object is deleted only when all of these hold:
       GC holds the GC lock (layerstore/lease.py);
     - no node sharing the store names it in its record (layerstore/nodes.py),
       and no node's record is stale (then nothing is deleted at all);
+    - no node's hold names it (what a node pulled manifests-only reads from
+      this store; a hold has no ttl: a node gone for good is let go with
+      `--forget-node`, never by time, and the report lists every hold);
     - the roots, marked once more right before deleting, still do not reach
       it.
 
@@ -39,7 +42,7 @@ from .backend import Backend, DryRunBackend
 from .chunk import CHUNK_PREFIX, chunk_key
 from .errors import NotFound, StrataError
 from .lease import GcLock, expired_leases, live_leases, store_now
-from .nodes import cluster_roots
+from .nodes import cluster_roots, read_holds
 from .manifest import MANIFEST_PREFIX, manifest_key
 from .pack import PACK_PREFIX, pack_key
 from .reach import Closure, Name
@@ -80,6 +83,7 @@ class GcReport:
     missing: list[str]
     dry_run: bool
     seconds: float
+    holds: list[dict[str, object]] = field(default_factory=list)  # nodes' holds kept: node, layers, age (s)
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -191,10 +195,12 @@ def collect(
                                        lambda: cluster_roots(store.backend, own=own_node,
                                                              forget_nodes=forget_nodes, dry_run=True),
                                        workers=max(1, delete_workers))
+    holds = [{"node": h.node, "layers": len(h.roots), "age": h.age}
+             for h in read_holds(store.backend) if h.node not in forget_nodes]
     return GcReport(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
                     deletable=len(p.deletable), deleted=0 if dry_run else deleted, freed_bytes=0 if dry_run else freed,
                     retained=len(p.young), postponed=postponed, missing=p.missing, dry_run=dry_run,
-                    seconds=time.monotonic() - started)
+                    seconds=time.monotonic() - started, holds=holds)
 
 
 def _forget(store: Store, p: Plan, batch: list[str]) -> int:

@@ -21,10 +21,32 @@ operator who drained that node removes its record with `strata gc
 
 The same records are the cluster's membership: a gateway (api/gateway.py)
 routes to the live nodes' URLs and places sandboxes by their `about`.
+
+Holds: what a node reads lazily from its remote, kept without a heartbeat.
+
+    holds/<node id>   {"node": "<id>", "roots": [{"kind": "layer", "value": "<manifest id>"}, ...]}
+
+A manifests-only pull leaves every chunk in the remote, and the node reads
+them from there for as long as its store names the pulled layers, whether
+or not `strata serve` runs. So such a pull writes this node's holds into
+the remote (`Holds.refresh`): the layers its store reaches that a lazy pull
+published and no full pull has completed (`lazy_roots`; layers, not names:
+the remote's ref may be moved or removed, the exact manifests this node
+pulled may not). Unlike a node record a hold has no ttl: it cannot go
+stale, because a node that is merely off still needs its images when it
+comes back. Every later CLI pull, `image rm` and `gc` of the node rewrites
+it from the node's store (so a removed image or a `pull --full` releases
+its chunks); a hold left empty is removed. GC of the remote marks every
+hold, its own node's too; a hold it cannot read stops it (fail closed). A
+node gone for good keeps its chunks until an operator runs `strata gc
+--forget-node ID`, which removes its record and its hold: `strata gc` lists
+the holds and their age so that such a node is seen, never guessed at.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -35,19 +57,23 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backend import Backend, ObjectInfo
 from .errors import BackendError, InvalidInput, NotFound, StrataError
 from .lease import is_live, store_now
-from .reach import Name
+from .reach import Closure, Name
+
+if TYPE_CHECKING:
+    from .store import Store
 
 log = logging.getLogger(__name__)
 
 NODE_PREFIX = "nodes/"
+HOLD_PREFIX = "holds/"
 NODE_TTL = 120.0
 NUDGE_INTERVAL = 5.0  # seconds between the record writes nudges cause, at least
 _NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -134,24 +160,28 @@ def _view(backend: Backend, info: ObjectInfo, now: float) -> NodeView | None:
 
 
 def forget(backend: Backend, node_id: str) -> bool:
-    """Remove a drained node's record; False if there was none."""
-    key = f"{NODE_PREFIX}{check_node_id(node_id)}"
-    if backend.head(key) is None:
-        return False
-    backend.delete(key)
-    return True
+    """Remove a drained node's record and its hold; False if it had neither."""
+    keys = [f"{prefix}{check_node_id(node_id)}" for prefix in (NODE_PREFIX, HOLD_PREFIX)]
+    found = [key for key in keys if backend.head(key) is not None]
+    for key in found:
+        backend.delete(key)
+    return bool(found)
 
 
 def cluster_roots(backend: Backend, *, forget_nodes: Iterable[str] = (), own: str | None = None,
                   dry_run: bool = False, now: float | None = None) -> list[Name]:
     """The roots of every live node but `own` (whose caller adds its live
-    roots itself); StrataError naming a stale one, which GC must not run
-    past (its sandboxes may need what would be deleted). `forget_nodes` are
-    removed first (only left out, with `dry_run`)."""
+    roots itself), and of every node's hold, `own`'s too (the caller's
+    sandboxes are not what a hold keeps); StrataError naming a stale node,
+    which GC must not run past (its sandboxes may need what would be
+    deleted), or an unreadable hold. `forget_nodes` are removed first (only
+    left out, with `dry_run`)."""
     forget_nodes = set(forget_nodes)
     if not dry_run:
         for node_id in forget_nodes:
             forget(backend, node_id)
+    now = store_now(backend) if now is None else now
+    held = [name for h in read_holds(backend, now=now) if h.node not in forget_nodes for name in h.roots]
     views = [v for v in read_nodes(backend, now=now) if v.node != own and v.node not in forget_nodes]
     stale = [v for v in views if not v.live]
     if stale:
@@ -160,7 +190,101 @@ def cluster_roots(backend: Backend, *, forget_nodes: Iterable[str] = (), own: st
                           f"{first.age:.0f} s{f' (and {len(stale) - 1} more)' if len(stale) > 1 else ''}: its "
                           "sandboxes may need objects this GC would delete, so nothing was deleted; bring it "
                           f"back, or drain it and run `strata gc --forget-node {first.node}`")
-    return [name for v in views for name in v.roots]
+    return [name for v in views for name in v.roots] + held
+
+
+# holds ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HoldView:
+    """One node's hold as a GC sees it."""
+
+    node: str
+    age: float  # seconds since the node last wrote it, by the store's clock
+    roots: tuple[Name, ...]
+
+
+def hold(backend: Backend, node_id: str, roots: Iterable[Name]) -> None:
+    """Replace `node_id`'s hold in `backend` with `roots`; with none, remove it."""
+    key = f"{HOLD_PREFIX}{check_node_id(node_id)}"
+    rows = sorted({(n.kind, n.value) for n in roots})
+    if not rows:
+        backend.delete(key)
+        return
+    body = {"node": node_id, "roots": [{"kind": kind, "value": value} for kind, value in rows]}
+    backend.put(key, json.dumps(body, sort_keys=True).encode())
+
+
+def read_holds(backend: Backend, *, now: float | None = None) -> list[HoldView]:
+    """Every node's hold. A hold that cannot be read raises StrataError: what
+    it kept is unknown, so a GC must delete nothing (unlike a torn node
+    record, which reads as stale and stops GC the same way)."""
+    now = store_now(backend) if now is None else now
+    views = []
+    for info in backend.list(HOLD_PREFIX):
+        node = info.key.removeprefix(HOLD_PREFIX)
+        try:
+            data = json.loads(backend.get(info.key))
+            roots = tuple(Name(str(r["kind"]), str(r["value"])) for r in data["roots"])
+        except NotFound:
+            continue  # removed meanwhile
+        except (ValueError, KeyError, TypeError):
+            raise _unreadable(backend, node, "is unreadable") from None
+        if any(r.kind not in _KINDS for r in roots):
+            raise _unreadable(backend, node, "names an unknown kind of root")
+        views.append(HoldView(node, now - info.modified, roots))
+    return sorted(views, key=lambda v: v.node)
+
+
+def _unreadable(backend: Backend, node: str, what: str) -> StrataError:
+    return StrataError(f"the hold of node {node} in {backend.describe()} {what}, so what it keeps is unknown and "
+                       "nothing was deleted; let that node rewrite it (any `strata pull`, `image rm` or `gc` "
+                       f"there), or if it is gone for good: `strata gc --forget-node {node}`")
+
+
+def lazy_roots(store: Store) -> list[Name]:
+    """The layers `store`'s refs, templates and snapshots reach that a
+    manifests-only pull published and no full pull has completed: the ones
+    whose chunks this node reads from its remote (Store.partial_layers)."""
+    from .gc import roots  # gc marks from these nodes' records: imported when used
+
+    closure = Closure()
+    for name in roots(store):
+        try:
+            closure.add(store, name, strict=False)
+        except NotFound:  # a template naming a removed image: it reaches nothing
+            pass
+    return [Name("layer", m) for m in sorted(store.partial_layers(closure.layers))]
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """flock(2) `path` for the block: one writer of this node's hold at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+class Holds:
+    """This node's hold in its remote store, recomputed from its own store.
+
+    Each write is the whole set, computed and written under a lock file in
+    the node's state directory: two commands of one node at once must not
+    each write a set that lacks the other's newly pulled image (the later
+    writer computes after the earlier one's image is in the store)."""
+
+    def __init__(self, remote: Backend, node_id: str, state_dir: Path) -> None:
+        self.remote = remote
+        self.node_id = check_node_id(node_id)
+        self.lock = Path(state_dir) / "holds.lock"
+
+    def refresh(self, store: Store, *, also: Iterable[Name] = ()) -> list[Name]:
+        """Write `lazy_roots(store)` and `also` (what a pull is about to
+        publish) as this node's hold; the roots written."""
+        with _exclusive(self.lock):
+            names = sorted({*lazy_roots(store), *also}, key=lambda n: (n.kind, n.value))
+            hold(self.remote, self.node_id, names)
+        return names
 
 
 class Heartbeat:

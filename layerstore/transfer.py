@@ -19,10 +19,20 @@ store whose read path has the source as its remote, so the mount loads
 chunks lazily from it (the destination still refuses a manifest naming a
 chunk its read path cannot serve). Every other copy publishes a manifest
 only where each chunk it names is stored (Store.put_layer).
+
+A manifests-only pull into a node's store (`pull`) leaves the chunks in the
+source, which may collect them: removing its ref there must not break the
+node's image. So `pull` holds a lease in the source for the whole copy (its
+GC deletes nothing meanwhile), writes the node's hold there before copying
+(layerstore/nodes.py: the layers pulled and every layer the node still reads
+lazily) and rewrites it from the node's store once the name is published.
+A source that refuses the hold refuses the lazy pull: nothing is published
+and `pull --full` is the way left (fail closed, whoever runs the pull).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,10 +40,11 @@ from dataclasses import dataclass
 
 from .chunk import MAX_CHUNK_SIZE, chunk_key, decode_chunk
 from .digest import digest_bytes
-from .errors import CorruptObject, MissingChunk, NotFound
+from .errors import BackendError, CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
 from .lease import Lease
+from .nodes import Holds
 from .pack import pack_key
-from .reach import Closure, parse_name
+from .reach import Closure, Name, parse_name
 from .store import Store
 from .templates import Template
 
@@ -127,6 +138,55 @@ def copy(
             dst.set_ref(name.value, published)
     return TransferResult(str(name), len(closure.chunks), sent, sent_bytes, len(manifests), len(snapshots),
                           time.monotonic() - started)
+
+
+def pull(
+    src: Store,
+    dst: Store,
+    name_text: str,
+    *,
+    holds: Holds | None,
+    chunks: bool = False,
+    prefetch: bool = False,
+    workers: int = 8,
+    progress: Progress | None = None,
+    on_total: Progress | None = None,
+) -> TransferResult:
+    """Copy `name` from `src` (the node's remote) into the node's store `dst`.
+
+    Manifests-only (`chunks=False`): `holds` (this node's hold in `src`) is
+    required, and what `dst` reads lazily is held in `src` before anything
+    is published. A full pull completes the layers it copies: `holds`, if
+    given, is rewritten without them so that `src` may collect them."""
+    if chunks:
+        result = copy(src, dst, name_text, chunks=True, workers=workers, progress=progress, on_total=on_total)
+        if holds is not None:
+            holds.refresh(dst)
+        return result
+    if holds is None:
+        raise InvalidInput(f"a manifests-only pull from {src.describe()} needs this node's hold there")
+    with contextlib.ExitStack() as stack:
+        try:
+            lease = stack.enter_context(Lease(src.backend, f"lazy pull of {name_text} into {dst.describe()}"))
+        except BackendError as exc:
+            raise _unrecorded(src, holds, exc) from None
+        planned = Closure()
+        planned.add(src, parse_name(name_text), strict=True)  # under the lease: no GC deletes from here on
+        try:
+            holds.refresh(dst, also=[Name("layer", m) for m in planned.layers])
+        except BackendError as exc:
+            raise _unrecorded(src, holds, exc) from None
+        lease.check()  # the lease was live until the hold was written: later GCs all see the hold
+        result = copy(src, dst, name_text, chunks=False, prefetch=prefetch, workers=workers,
+                      progress=progress, on_total=on_total)
+        holds.refresh(dst)  # exactly what dst reads lazily now, before the lease ends
+    return result
+
+
+def _unrecorded(src: Store, holds: Holds, exc: BackendError) -> StrataError:
+    return StrataError(f"a lazy pull must record in {src.describe()} what this node reads from there "
+                       f"(holds/{holds.node_id}), and that failed: {exc}; nothing was pulled (`strata pull "
+                       "--full` copies every chunk instead)")
 
 
 def _copy_packs(src: Store, dst: Store, packs: set[str]) -> int:

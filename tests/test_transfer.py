@@ -236,3 +236,33 @@ def test_full_pull_completes_a_lazy_pull(src: Store, tmp_path: Path) -> None:
     assert node.local_missing_chunks(digests) == set() and node.partial_layers([manifest]) == set()
     assert copy(src, node, "lazy:v1").chunks_sent == 0  # complete now: nothing more to send
     node.close()
+
+
+def _node_env(tmp_path: Path, name: str, remote: Path | None = None) -> dict[str, str]:
+    """The environment of `strata` on a node whose store is tmp_path/name (and whose remote is `remote`)."""
+    env = {"STRATA_STORE": str(tmp_path / name), "STRATA_STATE_DIR": str(tmp_path / f"{name}-state"),
+           "STRATA_RUN_DIR": str(tmp_path / f"{name}-run")}
+    return {**env, "STRATA_REMOTE": str(remote)} if remote is not None else env
+
+
+def _ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_a_cli_lazy_pull_is_a_root_of_the_remote_gc(tmp_path: Path) -> None:
+    """Node B pulls img:a manifests-only from R with the CLI (no `strata serve` on B); img:a is
+    removed on R and R is collected twice with no grace: B's export of img:a is still exact. The
+    pull recorded B's roots in R (holds/B), and R's GC marks them (finding 12, issue #33)."""
+    from tests.test_cli import run
+
+    data = write_image(tmp_path / "a.img", "rzrp", seed=12, tail=99)
+    remote, node = _node_env(tmp_path, "r"), _node_env(tmp_path, "b", remote=tmp_path / "r")
+    _ok(run(["image", "import", str(tmp_path / "a.img"), "img:a"], remote))
+    pulled = json.loads(_ok(run(["pull", "img:a", "--from", str(tmp_path / "r"), "--json"], node)))
+    assert pulled["chunks_sent"] == 0  # lazy: every chunk stays in R
+    _ok(run(["image", "rm", "img:a"], remote))
+    for _ in range(2):  # two phases: candidates, then deletion
+        _ok(run(["gc", "--grace", "0"], remote))
+    _ok(run(["image", "export", "img:a", str(tmp_path / "out.img")], node))
+    assert (tmp_path / "out.img").read_bytes() == data
