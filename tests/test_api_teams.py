@@ -14,6 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from layerstore.store import open_store
 from tests.conftest import needs_qemu
 from tests.node_server import ADMIN_KEY, ROOT, NodeServer
 
@@ -117,6 +118,25 @@ def test_another_teams_image_cannot_be_overwritten(node: NodeServer, alpha_world
     # beta's own names work
     assert b.put("/images/beta:v1", content=b"beta" * 1024).status_code == 201
     assert {i["ref"] for i in b.get("/images").json()} == {"beta:v1"}
+
+
+def test_the_stores_own_names_are_an_admins_alone(node: NodeServer) -> None:
+    """`strata-*` image names (the importer's layer chains, boot layers, the
+    demo image) are the node's: a team's PUT or DELETE is 400 and changes
+    nothing; an admin's works, and its ref is the admin's team's, never the
+    store's own mark (which the importer alone writes, tests/test_rootfs.py)."""
+    name = "strata-oci:" + "ab" * 16
+    for key in (ALPHA, BETA):
+        r = client(node, key).put(f"/images/{name}", content=b"team disk" * 512)
+        assert r.status_code == 400 and "is reserved" in r.json()["message"], r.text
+        assert client(node, key).delete(f"/images/{name}").status_code == 400
+    assert name not in {i["ref"] for i in node.admin.get("/images").json()}
+    r = node.admin.put(f"/images/{name}", content=b"admin disk" * 512)
+    assert r.status_code == 201, r.text
+    with open_store(node.env["STRATA_STORE"]) as store:
+        assert store.ref_entry(name) == (r.json()["manifest"], "ops")
+    assert client(node, ALPHA).get(f"/images/{name}").status_code == 404  # the admin's team's, as any image
+    assert node.admin.delete(f"/images/{name}").status_code == 204
 
 
 def test_quotas_answer_429_and_create_nothing(node: NodeServer, alpha_sandbox: dict[str, str]) -> None:

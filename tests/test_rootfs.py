@@ -173,3 +173,124 @@ def test_a_new_version_builds_on_the_old_disk_and_shares_its_chunks(tmp_path: Pa
     three = json.loads(strata("image", "import", "--json", "--store", store,
                               str(write_oci(tmp_path / "v2b", [base, update])), "app:v2b", env=env).stdout)
     assert three["new_chunks"] == 0
+
+
+# layer chains: built on only when the store itself tagged them ----------------------------------
+def _chain_world(tmp_path: Path):  # noqa: ANN202 (a store, v1 and v2 layouts, beta's disk's manifest)
+    """A store holding beta's disk (a `/pwned` file, its own /etc/hostname),
+    and a public image's v1 (BASE) and v2 (BASE and a layer that applies on
+    any disk, so building on the wrong one fails nothing) as OCI layouts."""
+    from layerstore.importer import import_image
+    from layerstore.rootfs import make_ext4
+    from layerstore.store import open_store
+
+    tree = tmp_path / "beta-tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "hostname").write_text("beta\n")
+    (tree / "pwned").write_text("planted\n")
+    make_ext4(tree, tmp_path / "beta.ext4", size=8 << 20)
+    store = open_store(str(tmp_path / "store"))
+    beta = import_image(store, tmp_path / "beta.ext4", "beta-disk:v1").manifest_id
+    v1 = write_oci(tmp_path / "v1", [layer(BASE)])
+    v2 = write_oci(tmp_path / "v2", [layer(BASE), layer([("file", "etc/motd", b"v2\n")])])
+    return store, v1, v2, beta
+
+
+def _chains(layout: Path) -> list[str]:
+    from layerstore.oci import open_image
+    from layerstore.rootfs import full_chain_ids
+
+    image = open_image(layout)
+    try:
+        return full_chain_ids(image)
+    finally:
+        image.source.close()
+
+
+def _exported(store, ref: str, out: Path) -> Path:  # noqa: ANN001
+    from layerstore.exporter import export_image
+
+    export_image(store, ref, out)
+    return out
+
+
+def _plant(store, tmp_path: Path, how: str, chain: str, beta: str) -> None:  # noqa: ANN001
+    """A `strata-oci:<chain>` ref the store did not write, as `how` says."""
+    from layerstore.refs import STORE_OWNER
+    from layerstore.rootfs import chain_ref, import_oci
+
+    if how.startswith("owner "):
+        store.set_ref(chain_ref(chain), beta, owner=how.split(" ", 1)[1].strip("'"))
+    elif how == "the store's mark, a disk of no chain":
+        store.set_ref(chain_ref(chain), beta, owner=STORE_OWNER)
+    elif how == "the store's mark, another chain's disk":
+        other = write_oci(tmp_path / "other", [layer([("file", "etc/hostname", b"other image\n")])])
+        manifest = import_oci(store, other, "other:v1", build_root=tmp_path / "build").manifest_id
+        store.set_ref(chain_ref(chain), manifest, owner=STORE_OWNER)
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["owner ''", "owner 'default'", "owner 'beta'", "owner 'ops'",
+                                 "the store's mark, a disk of no chain", "the store's mark, another chain's disk"])
+def test_a_chain_ref_the_store_did_not_tag_is_not_built_on(tmp_path: Path, how: str,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A `strata-oci` ref to another disk for v2's first layer (written by a
+    team, a bare key, an admin, or marked as the store's but naming a disk
+    that records no such chain): the import of v2 ignores it, says so in the
+    log, builds from the layers alone, and tags v2's chain as the store's."""
+    from layerstore.refs import STORE_OWNER
+    from layerstore.rootfs import chain_ref, import_oci, trusted_chain
+
+    store, _v1, v2, beta = _chain_world(tmp_path)
+    with store:
+        chains = _chains(v2)
+        _plant(store, tmp_path, how, chains[0], beta)
+        assert trusted_chain(store, chains[0]) is None
+        result = import_oci(store, v2, "app:v2", build_root=tmp_path / "build")
+        disk = _exported(store, "app:v2", tmp_path / "v2.ext4")
+        assert debugfs(disk, "cat /etc/hostname") == "oci-demo\n"  # not beta's, not the other image's
+        assert "pwned" not in debugfs(disk, "ls /") and debugfs(disk, "cat /etc/motd") == "v2\n"
+        assert debugfs(disk, "cat /usr/lib/libdemo.so") == "ELF" * 100
+        assert store.ref_entry(chain_ref(chains[-1])) == (result.manifest_id, STORE_OWNER)
+        assert trusted_chain(store, chains[-1]) == result.manifest_id
+    assert f"{chain_ref(chains[0])}: not built on" in caplog.text
+
+
+def test_the_stores_own_chain_is_built_on_and_records_its_chain(tmp_path: Path) -> None:
+    """v1's import tags its chain as the store's (owner STORE_OWNER, the
+    manifest's `oci.chain` the whole chain id); v2's import builds on it."""
+    from layerstore.refs import STORE_OWNER
+    from layerstore.rootfs import CHAIN_NOTE, chain_ref, import_oci
+
+    store, v1, v2, _beta = _chain_world(tmp_path)
+    with store:
+        one = import_oci(store, v1, "app:v1", build_root=tmp_path / "build")
+        chain = _chains(v1)[0]
+        assert store.ref_entry(chain_ref(chain)) == (one.manifest_id, STORE_OWNER)
+        assert store.get_layer(one.manifest_id).annotations[CHAIN_NOTE] == chain
+        two = import_oci(store, v2, "app:v2", build_root=tmp_path / "build")
+        assert two.new_chunks < one.new_chunks  # on v1's disk: its blocks kept
+        assert debugfs(_exported(store, "app:v2", tmp_path / "v2.ext4"), "cat /etc/motd") == "v2\n"
+
+
+def test_a_chain_ref_moved_during_its_export_is_not_built_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ref is trusted, then moved to beta's disk before the export reads
+    it (even with the store's mark): what was exported is not what was
+    checked, so the import builds from the layers alone."""
+    from layerstore import rootfs
+    from layerstore.refs import STORE_OWNER
+
+    store, v1, v2, beta = _chain_world(tmp_path)
+    real = rootfs.export_image
+
+    def moved_first(store_, ref, out, **kw):  # noqa: ANN001, ANN202
+        store_.set_ref(ref, beta, owner=STORE_OWNER)
+        return real(store_, ref, out, **kw)
+
+    with store:
+        rootfs.import_oci(store, v1, "app:v1", build_root=tmp_path / "build")
+        monkeypatch.setattr(rootfs, "export_image", moved_first)
+        rootfs.import_oci(store, v2, "app:v2", build_root=tmp_path / "build")
+        disk = _exported(store, "app:v2", tmp_path / "v2.ext4")
+    assert "pwned" not in debugfs(disk, "ls /") and debugfs(disk, "cat /etc/hostname") == "oci-demo\n"

@@ -29,21 +29,24 @@ from tests.node_server import ADMIN_KEY, NodeServer
 from tests.oci_images import layer, write_oci
 from tests.test_cli import run
 
-ALPHA, BETA = "alpha-images-key-01", "beta-images-key-01"
+ALPHA, BETA, BARE = "alpha-images-key-01", "beta-images-key-01", "bare-images-key-01"
 
 
 class Target:
-    """A node with teams alpha and beta and an admin, and a client for each."""
+    """A node with teams alpha, beta and default (a bare key, the team the
+    CLI's own refs count as) and an admin; clients for beta and default."""
 
     def __init__(self, tmp: Path, guest: Path) -> None:
-        self.node = NodeServer(tmp, guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA}",
+        self.node = NodeServer(tmp, guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA},{BARE}",
                                STRATA_ADMIN_KEYS=f"ops:{ADMIN_KEY}")
         self.node.start()
         self.beta = httpx.Client(base_url=self.node.url, headers={"X-API-Key": BETA}, timeout=300)
+        self.default = httpx.Client(base_url=self.node.url, headers={"X-API-Key": BARE}, timeout=300)
         self.env = {k: v for k, v in self.node.env.items() if k.startswith("STRATA_")}  # the operator's CLI
 
     def close(self) -> None:
         self.beta.close()
+        self.default.close()
         self.node.cleanup()
 
 
@@ -114,25 +117,29 @@ def imported(target: Target, tmp_path_factory: pytest.TempPathFactory) -> str:
 NAMES = ["a chain not imported yet", "a chain imported", "strata-boot:vmlinuz", "strata-guest:demo", "strata-oci"]
 
 
+@pytest.mark.parametrize("team", ["beta", "default"])
 @pytest.mark.parametrize("name", NAMES)
-def test_a_team_cannot_write_the_stores_own_names(target: Target, imported: str, tmp_path: Path, name: str) -> None:
-    """attacker: team beta.  target: the names the store and node write for
-    themselves: the OCI importer's `strata-oci:<chain id>` (of a public image
-    not imported yet, or one imported), the boot layers, the demo image.
-    attempt: PUT an image under the name, DELETE it.  must: 400 naming the
-    reserved prefix; every ref in the store is as it was."""
+def test_a_team_cannot_write_the_stores_own_names(target: Target, imported: str, tmp_path: Path, name: str,
+                                                  team: str) -> None:
+    """attacker: team beta, or team default (a bare key: the team the
+    CLI's own refs count as).  target: the names the store and node write
+    for themselves: the OCI importer's `strata-oci:<chain id>` (of a public
+    image not imported yet, or one imported), the boot layers, the demo
+    image.  attempt: PUT an image under the name, DELETE it.  must: 400
+    naming the reserved prefix; every ref in the store is as it was."""
+    client = target.beta if team == "beta" else target.default
     if name == "a chain not imported yet":
         name = f"strata-oci:{chain_of(public_image(tmp_path, 'future')[0])}"
     elif name == "a chain imported":
         name = imported
     before = target.node.admin.get("/images").json()
-    r = target.beta.put(f"/images/{name}", content=betas_disk(tmp_path))
+    r = client.put(f"/images/{name}", content=betas_disk(tmp_path))
     assert r.status_code == 400, r.text
     assert "reserved" in r.json()["message"] and "strata-" in r.json()["message"], r.text
-    r = target.beta.delete(f"/images/{name}")
+    r = client.delete(f"/images/{name}")
     assert r.status_code == 400 and "reserved" in r.json()["message"], r.text
     assert target.node.admin.get("/images").json() == before
-    assert not [i for i in target.beta.get("/images").json() if i["ref"].startswith("strata-")]
+    assert not [i for i in client.get("/images").json() if i["ref"].startswith("strata-")]
 
 
 PLANTS = {  # how the unmarked chain ref got there -> (owner recorded, written through the admin API)
