@@ -113,9 +113,11 @@ class NodeContext:
         c = self.config
         if c.network_enabled != "true":
             return None
+        # guests never reach the store's endpoint, the peers or this node's advertised address (unless opened)
+        endpoints = (c.s3_endpoint, *c.peers, c.advertise_url)
         return Network(c.state_dir / "network", pool=c.network_pool, dns_port=c.network_dns_port,
-                       gate_port=c.network_gate_port,
-                       blocked=c.network_blocked, max_connections=c.network_max_connections,
+                       gate_port=c.network_gate_port, blocked=c.network_blocked, opened=c.network_open,
+                       endpoints=endpoints, max_connections=c.network_max_connections,
                        bandwidth=c.network_bandwidth)
 
 

@@ -169,6 +169,16 @@ def _cidr(text: str) -> str:
         raise ValueError(f"{text!r} is not an IPv4 network (a.b.c.d/n)") from None
 
 
+def _cidrs(text: str) -> tuple[str, ...]:
+    return tuple(_cidr(item) for item in _list(text))
+
+
+# what no sandbox reaches by default: "this network", RFC 1918, CGNAT, loopback, link-local (cloud metadata),
+# multicast, reserved (vmm/egress.py DEFAULT_BLOCKED is the same list; tests/test_egress.py checks)
+BLOCKED = ("0.0.0.0/8,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,100.64.0.0/10,127.0.0.0/8,169.254.0.0/16,"
+           "224.0.0.0/4,240.0.0.0/4")
+
+
 def _hosts(text: str) -> dict[str, str]:
     import ipaddress
 
@@ -281,8 +291,15 @@ class NodeConfig:
                                                          "sandbox")
     network_internet: str = _setting("true", _choice("true", "false"), "allow_internet_access of a sandbox "
                                                                        "created without it")
-    network_blocked: tuple[str, ...] = _setting("169.254.0.0/16", _list, "addresses no sandbox reaches, "
-                                                                         "whatever its rules (CIDRs)")
+    network_blocked: tuple[str, ...] = _setting(BLOCKED, _cidrs, "CIDRs no sandbox reaches, whatever its rules "
+                                                         "(allowOut included): private, CGNAT, loopback, "
+                                                         "link-local, multicast and reserved ranges; the node's own "
+                                                         "addresses and its S3 endpoint's are blocked too, and "
+                                                         "the sandbox pool always")
+    network_open: tuple[str, ...] = _setting("", _cidrs, "CIDRs carved out of what is blocked (network.blocked, "
+                                                         "the node's and the S3 endpoint's addresses): what "
+                                                         "sandboxes may reach there if their rules allow, e.g. a "
+                                                         "network.hosts address")
     network_dns_port: int = _setting("10053", _port, "port of the node's resolver for its sandboxes")
     network_gate_port: int = _setting("10054", _port, "port of the node's domain gate (Host/SNI checks of web "
                                                       "traffic from sandboxes whose rules allow domains)")

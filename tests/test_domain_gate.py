@@ -4,12 +4,19 @@ guests in tests/test_network.py."""
 
 from __future__ import annotations
 
+import json
+import select
+import socket
 import ssl
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from vmm.domain_gate import DomainGate, http_host, tls_server_name
+from tests.conftest import free_port
+from vmm.domain_gate import MAX_CONNECTIONS, DomainGate, http_host, tls_server_name
+from vmm.egress import Egress
 from vmm.network import Network
 
 
@@ -49,3 +56,104 @@ def test_never_dialled(tmp_path: Path) -> None:
     assert not gate._may_dial("10.201.3.2")  # another sandbox
     assert not gate._may_dial("169.254.169.254")  # blocked by default
     assert gate._may_dial("192.0.2.7")  # TEST-NET-1: nobody's own address
+
+
+def test_names_resolving_into_private_ranges_are_never_dialled(tmp_path: Path) -> None:
+    """Finding 10: the gate refuses what the namespace's rules block, the same
+    complete set: private ranges, the store's endpoint, unless opened."""
+    gate = DomainGate(Network(tmp_path / "a", endpoints=("http://198.51.100.10:8333",)), lambda name: [], port=0)
+    for address in ("10.1.2.3", "172.16.5.5", "172.31.0.1", "192.168.1.1", "100.64.0.1", "0.1.2.3", "224.0.0.1",
+                    "240.0.0.1", "198.51.100.10"):
+        assert not gate._may_dial(address), address
+    assert gate._may_dial("198.51.100.11")
+    opened = DomainGate(Network(tmp_path / "b", opened=("10.99.0.12/31",)), lambda name: [], port=0)
+    assert opened._may_dial("10.99.0.12") and not opened._may_dial("10.99.0.14")
+    assert not opened._may_dial("10.201.0.2")  # the pool: never, whatever is opened
+
+
+# the gate on loopback: sandboxes are slots of a pool in 127/8 (slot S asks from 127.201.0.<4S+2>)
+SANDBOX_A, SANDBOX_B = "127.201.0.2", "127.201.0.6"
+
+
+@pytest.fixture()
+def gate(tmp_path: Path) -> Iterator[tuple[DomainGate, list[str]]]:
+    network = Network(tmp_path, pool="127.201.0.0/29")
+    for slot, sid in ((0, "sba"), (1, "sbb")):
+        rules = Egress.parse(False, ["*.test"]).as_record()
+        (network.slots / str(slot)).write_text(json.dumps({"sid": sid, "rules": rules}))
+    asked: list[str] = []
+
+    def lookup(name: str) -> list[str]:
+        asked.append(name)
+        return []  # nothing to dial: what the test watches is whether the gate got as far as asking
+
+    gate = DomainGate(network, lookup, port=free_port())
+    gate.start()
+    try:
+        yield gate, asked
+    finally:
+        gate.stop()
+
+
+def _connect(port: int, source: str) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+    return conn
+
+
+def _readable(conn: socket.socket, seconds: float) -> bool:
+    """poll(2), not select(2): a test holding hundreds of sockets has descriptors past FD_SETSIZE."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
+
+
+def _closed_within(conn: socket.socket, seconds: float) -> bool:
+    """Does the gate close `conn` within `seconds` (reading whatever it sends)?"""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _readable(conn, 0.2):
+            try:
+                if not conn.recv(4096):
+                    return True
+            except OSError:
+                return True
+    return False
+
+
+def test_a_slow_loris_is_cut_off_by_one_deadline(gate: tuple[DomainGate, list[str]]) -> None:
+    """Finding 9: a guest trickling its request head one byte at a time held
+    a slot for as long as it liked (the timeout was per recv)."""
+    g, asked = gate
+    head = b"GET / HTTP/1.1\r\nHost: slow.test" + b"x" * 100
+    with _connect(g.port, SANDBOX_A) as conn:
+        closed = False
+        for i in range(len(head)):  # at most ~25 s of trickling, never finishing the head
+            try:
+                conn.sendall(head[i:i + 1])
+            except OSError:
+                closed = True
+                break
+            if _closed_within(conn, 0.25):
+                closed = True
+                break
+        assert closed, "the gate kept a trickling connection open"
+    assert asked == []
+
+
+def test_one_sandbox_cannot_take_every_slot(gate: tuple[DomainGate, list[str]]) -> None:
+    """Finding 9: 512 slots for the whole node; one sandbox's idle connections
+    took them all and every other sandbox's web traffic was refused."""
+    g, asked = gate
+    flood = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 8):
+            flood.append(_connect(g.port, SANDBOX_A))
+        # the last of the flood is over any cap: once it is closed, the gate has seen all of them
+        assert _closed_within(flood[-1], 10)
+        with _connect(g.port, SANDBOX_B) as victim:
+            victim.sendall(b"GET / HTTP/1.1\r\nHost: victim.test\r\n\r\n")
+            assert _closed_within(victim, 10)  # lookup answered nothing to dial
+        assert "victim.test" in asked, "another sandbox's request never reached the gate's lookup"
+    finally:
+        for conn in flood:
+            conn.close()

@@ -6,9 +6,12 @@ tests/test_network.py runs it for real)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,4 +130,158 @@ def test_without_upstream_unknown_names_do_not_exist(tmp_path: Path) -> None:
         resolver.start()
         assert ask(resolver.port, "nowhere.test").rcode() == dns.rcode.NXDOMAIN
     finally:
+        resolver.stop()
+
+
+# --- finding 9: one sandbox cannot deny DNS to the others --------------------------------
+
+
+class BlackHoles:
+    """UDP sockets on loopback that never answer: upstream servers a lookup
+    waits on until its deadline."""
+
+    def __init__(self, count: int) -> None:
+        self.sockets = []
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            self.sockets.append(sock)
+        self.servers = [f"127.0.0.1:{s.getsockname()[1]}" for s in self.sockets]
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def sandboxes(tmp_path: Path, count: int) -> Recording:
+    """A network whose first `count` slots are leased (slot S asks from 127.201.<S // 64>.<4 (S % 64) + 2>)."""
+    network = Recording(tmp_path)
+    network.pool = ipaddress.ip_network("127.201.0.0/22")
+    network.size = network.pool.num_addresses // 4
+    for slot in range(count):
+        (network.slots / str(slot)).write_text(json.dumps({"sid": f"sb{slot}", "rules": {}}))
+    return network
+
+
+def source_of(slot: int) -> str:
+    return str(ipaddress.ip_address("127.201.0.2") + 4 * slot)
+
+
+def flood(port: int, source: str, count: int, name: str = "flood.test") -> socket.socket:
+    """`count` queries sent at once from `source`, none waited for (the socket is the caller's to close)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((source, 0))
+    for i in range(count):
+        sock.sendto(dns.message.make_query(f"n{i}.{name}", dns.rdatatype.A).to_wire(), ("127.0.0.1", port))
+    return sock
+
+
+def _readable(conn: socket.socket, seconds: float) -> bool:
+    """poll(2), not select(2): a test holding hundreds of sockets has descriptors past FD_SETSIZE."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
+
+
+def test_a_flooding_sandbox_does_not_starve_another(tmp_path: Path) -> None:
+    """300 queries a black hole never answers, from one sandbox: another
+    sandbox's query is still answered (it waited behind all 300 on 8 workers)."""
+    network, holes = sandboxes(tmp_path, 2), BlackHoles(1)
+    resolver = Resolver(network, port=free_port(), hosts={"web.test": "10.99.0.12"}, upstream=holes.servers,
+                        timeout=2.0)
+    resolver.start()
+    try:
+        with flood(resolver.port, source_of(0), 300):
+            reply = ask(resolver.port, "web.test", source=source_of(1))
+            assert [r.address for r in reply.answer[0]] == ["10.99.0.12"]
+    finally:
+        resolver.stop()
+        holes.close()
+
+
+def test_the_queue_is_bounded(tmp_path: Path) -> None:
+    """64 sandboxes asking at once, each within its own cap: what is over the
+    node's bound is dropped at once, not queued (it was queued without bound)."""
+    network, holes = sandboxes(tmp_path, 64), BlackHoles(1)
+    resolver = Resolver(network, port=free_port(), upstream=holes.servers, timeout=1.0, workers=2, max_queued=8)
+    resolver.start()
+    socks = []
+    try:
+        for slot in range(64):
+            socks.append(flood(resolver.port, source_of(slot), 1))
+        answered = 0
+        deadline = time.monotonic() + 12
+        poller, by_fd = select.poll(), {sock.fileno(): sock for sock in socks}
+        for sock in socks:
+            poller.register(sock, select.POLLIN)
+        while time.monotonic() < deadline:
+            for fd, _event in poller.poll(500):
+                sock = by_fd[fd]
+                assert dns.message.from_wire(sock.recv(4096)).rcode() == dns.rcode.SERVFAIL
+                answered += 1
+        assert 1 <= answered <= 2 + 8  # the workers' and the queue's, no more
+    finally:
+        for sock in socks:
+            sock.close()
+        resolver.stop()
+        holes.close()
+
+
+def test_one_deadline_for_the_whole_upstream_lookup(tmp_path: Path) -> None:
+    """20 upstream servers that never answer: the guest gets SERVFAIL within
+    the lookup's deadline, not after 20 of them (each had the whole timeout)."""
+    network, holes = sandboxes(tmp_path, 1), BlackHoles(20)
+    resolver = Resolver(network, port=free_port(), upstream=holes.servers, timeout=1.0)
+    resolver.start()
+    try:
+        query = dns.message.make_query("slow.test", dns.rdatatype.A)
+        reply = dns.query.udp(query, "127.0.0.1", port=resolver.port, timeout=8, source=source_of(0))
+        assert reply.rcode() == dns.rcode.SERVFAIL
+        assert resolver.lookup("slow.test") == []  # the domain gate's lookups: the same deadline
+    finally:
+        resolver.stop()
+        holes.close()
+
+
+def test_a_tcp_query_trickled_is_cut_off(setup: tuple[Recording, int]) -> None:
+    """A TCP query sent one byte at a time held a worker as long as the guest
+    liked (the timeout was per recv); the whole read has one deadline."""
+    _network, port = setup
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.201.0.2", 0)) as conn:
+        conn.sendall(b"\x00\x60")  # 96 bytes to come; ~24 s of trickling, never finished
+        closed = False
+        for _ in range(95):
+            try:
+                conn.sendall(b"\x00")
+            except OSError:
+                closed = True
+                break
+            if _readable(conn, 0.25):
+                try:
+                    closed = not conn.recv(4096)
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+        assert closed, "the resolver kept a trickling TCP query open"
+    assert ask(port, "web.test").answer[0][0].address == "10.99.0.12"
+
+
+def test_a_sandbox_holding_tcp_connections_does_not_starve_another(tmp_path: Path) -> None:
+    """Slow TCP queries from one sandbox take at most its own share of the workers."""
+    network = sandboxes(tmp_path, 2)
+    resolver = Resolver(network, port=free_port(), hosts={"web.test": "10.99.0.12"}, upstream=[])
+    resolver.start()
+    held = []
+    try:
+        for _ in range(40):  # far more than there are workers; each sends half a length prefix and waits
+            conn = socket.create_connection(("127.0.0.1", resolver.port), timeout=5,
+                                            source_address=(source_of(0), 0))
+            conn.sendall(b"\x00")
+            held.append(conn)
+        reply = ask(resolver.port, "web.test", source=source_of(1))
+        assert [r.address for r in reply.answer[0]] == ["10.99.0.12"]
+    finally:
+        for conn in held:
+            conn.close()
         resolver.stop()

@@ -15,7 +15,15 @@ asking another's address.
           allowed by *.example.com -> resolve -> connect :443 -> relay
 
 Never dialled: loopback, the node's own addresses, the sandbox pool and
-the blocked ranges, whatever a name resolves to.
+the blocked ranges (Network.blocked: the same set the namespaces drop),
+whatever a name resolves to.
+
+A connection takes an OS thread, two while it relays, so what one guest
+can hold is bounded: at most `per_sandbox` connections of one sandbox at
+once and `max_connections` of all (more are closed at accept, before a
+thread is started), and the request head must arrive whole within one
+deadline (`head_timeout`), however it is trickled: a guest sending a byte a
+second holds a connection for that long, not for as long as it likes.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 from layerstore.errors import StrataError
@@ -34,8 +43,10 @@ from .network import Network
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 16 << 10  # the most read before the name must be known
-HEAD_TIMEOUT = 10.0
-MAX_CONNECTIONS = 512
+HEAD_TIMEOUT = 5.0  # seconds for the whole request head (Host or SNI), however it is trickled
+DIAL_TIMEOUT = 10.0  # seconds to connect to the name, every address of it together
+MAX_CONNECTIONS = 512  # connections of all sandboxes at once
+PER_SANDBOX = 64  # connections of one sandbox at once
 TLS_HANDSHAKE = 0x16
 
 
@@ -80,12 +91,17 @@ def http_host(data: bytes) -> str | None:
 
 
 class DomainGate:
-    def __init__(self, network: Network, lookup: Callable[[str], list[str]], *, port: int) -> None:
+    def __init__(self, network: Network, lookup: Callable[[str], list[str]], *, port: int,
+                 max_connections: int = MAX_CONNECTIONS, per_sandbox: int = PER_SANDBOX,
+                 head_timeout: float = HEAD_TIMEOUT, dial_timeout: float = DIAL_TIMEOUT) -> None:
         self.network = network
         self.lookup = lookup  # name -> IPv4 addresses (the resolver's own answer)
         self.port = port
+        self.max_connections, self.per_sandbox = max_connections, per_sandbox
+        self.head_timeout, self.dial_timeout = head_timeout, dial_timeout
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._held: dict[str, int] = {}  # source address -> its open connections
+        self._lock = threading.Lock()
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -111,10 +127,27 @@ class DomainGate:
                 continue
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # over MAX_CONNECTIONS: refused, not queued
+            if not self._take(peer[0]):
+                conn.close()  # over a cap: refused, not queued
                 continue
             threading.Thread(target=self._serve, args=(conn, peer[0]), daemon=True).start()
+
+    def _take(self, source: str) -> bool:
+        """A connection slot for `source`, if it and the node are under their caps."""
+        with self._lock:
+            held = self._held.get(source, 0)
+            if held >= self.per_sandbox or sum(self._held.values()) >= self.max_connections:
+                return False
+            self._held[source] = held + 1
+            return True
+
+    def _give(self, source: str) -> None:
+        with self._lock:
+            left = self._held.get(source, 0) - 1
+            if left > 0:
+                self._held[source] = left
+            else:
+                self._held.pop(source, None)
 
     def _serve(self, conn: socket.socket, source: str) -> None:
         try:
@@ -133,15 +166,20 @@ class DomainGate:
                 with upstream:
                     upstream.sendall(head)
                     _relay(conn, upstream)
-        except OSError:
+        except OSError:  # a timeout included: the head's deadline passed
             pass
         finally:
-            self._slots.release()
+            self._give(source)
 
     def _read_name(self, conn: socket.socket) -> tuple[bytes, str | None, int]:
-        conn.settimeout(HEAD_TIMEOUT)
+        """The head read so far, the name it asks for and its port, all by one deadline."""
+        deadline = time.monotonic() + self.head_timeout
         head = b""
         while len(head) < MAX_HEAD:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            conn.settimeout(left)
             block = conn.recv(MAX_HEAD - len(head))
             if not block:
                 break
@@ -154,12 +192,16 @@ class DomainGate:
         return head, None, 0
 
     def _dial(self, name: str, port: int) -> socket.socket | None:
+        deadline = time.monotonic() + self.dial_timeout
         for address in self.lookup(name):
             if not self._may_dial(address):
                 log.warning("domain gate: %s resolves to %s, which sandboxes never reach", name, address)
                 continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
             try:
-                return socket.create_connection((address, port), timeout=10)
+                return socket.create_connection((address, port), timeout=left)
             except OSError:
                 continue
         return None

@@ -19,8 +19,17 @@ Host header or the TLS server name against the domain rules and connects to
 that name itself: an address learned for an allowed name does not open the
 other names it serves.
 
-Addresses the node blocks for every sandbox (link-local and cloud metadata by
-default, config `network.blocked`) beat every rule.
+Addresses the node blocks for every sandbox beat every rule, allow rules and
+learned domain addresses included, and the domain gate never dials them
+(`blocked_ranges`): by default every range a cloud host has private
+neighbours in (DEFAULT_BLOCKED: RFC 1918, CGNAT, loopback, link-local and its
+metadata service, 0/8, multicast, reserved; config `network.blocked`), plus
+the node's own addresses and those of its object store's endpoint, less the
+ranges the operator opens (config `network.open`), plus always the sandbox
+pool (another sandbox). The guest's own link (172.16.0.0/30, inside
+172.16/12) never reaches these rules: its DNS and the domain gate are
+accepted at the node's end of the namespace's link before them, and the
+node's port proxy comes in from the outside, not through `egress`.
 
 The rules are enforced in the sandbox's own network namespace (vmm/network.py),
 on every packet the guest sends, so a change applies to the next packet:
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +50,15 @@ from layerstore.errors import InvalidInput
 GUEST, GUEST_GATEWAY = "172.16.0.2", "172.16.0.1"  # the guest's link, the same in every sandbox (vmm/network.py)
 MAX_RULES = 1000
 MIN_TTL = 30  # seconds a resolved address of an allowed domain stays allowed, at least
+DNS_RATE = 100  # DNS packets per second (and burst) one sandbox sends the node's resolver, at most
+DEFAULT_BLOCKED = (  # what no sandbox reaches unless the operator opens it (config network.blocked's default)
+    "0.0.0.0/8",  # "this network"
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16",  # RFC 1918: a VPC, a Docker network, the office
+    "100.64.0.0/10",  # carrier-grade NAT, and some clouds' internal services
+    "127.0.0.0/8",  # loopback
+    "169.254.0.0/16",  # link-local, where clouds put their metadata service
+    "224.0.0.0/4", "240.0.0.0/4",  # multicast; reserved and broadcast
+)
 _LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _DOMAIN = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}\.?$")
 
@@ -121,8 +140,32 @@ def _rules(value: Any, field: str, *, domains: bool = False) -> list[str]:
     return out
 
 
+def blocked_ranges(base: Iterable[str], *, addresses: Iterable[str] = (), opened: Iterable[str] = (),
+                   always: Iterable[str] = ()) -> tuple[str, ...]:
+    """The CIDRs no sandbox reaches: `base` (config network.blocked) and
+    `addresses` (the node's own, its store's endpoint), less the `opened`
+    ranges (config network.open: what the operator lets sandboxes reach there),
+    plus `always` (the sandbox pool, which nothing opens). Collapsed, so the
+    nftables set and the domain gate's checks are the same short list."""
+    nets = [ipaddress.ip_network(net, strict=False) for net in base]
+    nets += [ipaddress.ip_network(f"{address}/32") for address in addresses]
+    for hole in (ipaddress.ip_network(net, strict=False) for net in opened):
+        nets = [piece for net in nets for piece in _without(net, hole)]
+    nets += [ipaddress.ip_network(net, strict=False) for net in always]
+    return tuple(str(net) for net in ipaddress.collapse_addresses(n for n in nets if n.version == 4))
+
+
+def _without(net: ipaddress.IPv4Network, hole: ipaddress.IPv4Network) -> list[ipaddress.IPv4Network]:
+    """`net` less `hole` (two IPv4 networks that overlap are nested)."""
+    if not net.overlaps(hole):
+        return [net]
+    if hole.supernet_of(net):
+        return []
+    return list(net.address_exclude(hole))
+
+
 def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, gate_port: int, blocked: tuple[str, ...],
-            replace: bool, max_connections: int = 0, bandwidth: int = 0) -> str:
+            replace: bool, max_connections: int = 0, bandwidth: int = 0, dns_rate: int = DNS_RATE) -> str:
     """The sandbox namespace's nftables script (`nft -f -`), one transaction.
 
         guest 172.16.0.2 --tap0--> [ns: dnat :53 -> node resolver; egress chain; snat -> outside] --eth0--> node
@@ -135,11 +178,16 @@ def ruleset(rules: Egress, *, gateway: str, outside: str, dns_port: int, gate_po
     flushes them then), otherwise the whole table is created, with the
     node's limits: at most `max_connections` open connections from the
     guest, `bandwidth` bytes per second each way (0: none; packets over
-    either are dropped, which TCP senders slow down for).
+    either are dropped, which TCP senders slow down for). DNS over UDP to
+    the resolver is limited to `dns_rate` packets a second (0: none), so
+    one guest flooding cannot fill the resolver's one socket for every
+    sandbox (vmm/resolver.py caps what it queues per sandbox).
     """
     sets = {"allow": rules.allowed_nets, "deny": list(rules.deny), "blocked": list(blocked)}
     verdict = "accept" if rules.internet else "drop"
-    egress = [f"ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport {dns_port} accept",
+    flood = ([f"ip daddr {gateway} udp dport {dns_port} limit rate over {dns_rate}/second burst {dns_rate} packets "
+              "drop"] if dns_rate else [])
+    egress = [*flood, f"ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport {dns_port} accept",
               f"ip daddr {gateway} tcp dport {gate_port} accept",
               "ip daddr @blocked drop", "ip daddr @allow accept", "ip daddr @learned accept",
               "ip daddr @deny drop", verdict]

@@ -16,6 +16,12 @@ What differs between sandboxes, forks included, is the namespace's outside
 address, which is what other hosts, the rules and the counters see; the
 guest's MAC never leaves its namespace's private link.
 
+What no guest reaches (`blocked`, vmm/egress.py's blocked_ranges): the
+private ranges of config network.blocked, the node's own addresses (read
+when the node prepares) and those its object store's endpoint resolves to,
+less config network.open, plus the pool. The same set is each namespace's
+@blocked and what the domain gate never dials.
+
 Slots are leased by files <root>/slots/<S>, created with O_EXCL so two
 processes never take one, holding the sandbox id and its rules. A lease is
 taken before anything is created and dropped after everything is removed,
@@ -28,14 +34,17 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from layerstore.errors import NotFound, StrataError
 
 from .durable import write_durably
-from .egress import GUEST, GUEST_GATEWAY, Egress, ruleset
+from .egress import DEFAULT_BLOCKED, GUEST, GUEST_GATEWAY, Egress, blocked_ranges, ruleset
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +54,6 @@ HOST_PREFIX = "stv"  # the node's end of each sandbox's link: stv<slot>
 DEFAULT_POOL = "10.201.0.0/16"
 DEFAULT_DNS_PORT = 10053
 DEFAULT_GATE_PORT = 10054
-DEFAULT_BLOCKED = ("169.254.0.0/16",)  # link-local, where clouds put their metadata service
 
 
 class NetworkError(StrataError):
@@ -72,8 +80,12 @@ def guest_cmdline() -> str:
 
 class Network:
     def __init__(self, root: Path, *, pool: str = DEFAULT_POOL, dns_port: int = DEFAULT_DNS_PORT,
-                 gate_port: int = DEFAULT_GATE_PORT, blocked: tuple[str, ...] = DEFAULT_BLOCKED,
-                 max_connections: int = 0, bandwidth: int = 0) -> None:
+                 gate_port: int = DEFAULT_GATE_PORT, blocked: Iterable[str] = DEFAULT_BLOCKED,
+                 opened: Iterable[str] = (), endpoints: Iterable[str] = (), max_connections: int = 0,
+                 bandwidth: int = 0) -> None:
+        """`blocked` (config network.blocked) less `opened` (network.open) is
+        what no guest reaches, with the node's own addresses and those of
+        `endpoints` (URLs or host names: the object store's, the peers')."""
         self.slots = root / "slots"
         self.slots.mkdir(parents=True, exist_ok=True)
         self.pool = ipaddress.ip_network(pool)
@@ -82,7 +94,8 @@ class Network:
         self.size = self.pool.num_addresses // 4
         self.dns_port = dns_port
         self.gate_port = gate_port
-        self.blocked = tuple(blocked)
+        self.base_blocked, self.opened, self.endpoints = tuple(blocked), tuple(opened), tuple(endpoints)
+        self._blocked: tuple[str, ...] | None = None
         self.limits = {"max_connections": max_connections, "bandwidth": bandwidth}
         self._prepared = False
 
@@ -91,6 +104,7 @@ class Network:
         """The node's side: forwarding on, the node's table (re)made. Done
         by `strata serve` at start and before the first attach of any process."""
         _run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        self.refresh_blocked()
         port, pool = self.dns_port, self.pool
         _run(["nft", "-f", "-"], stdin=f"""table ip strata {{}}
 delete table ip strata
@@ -113,6 +127,21 @@ table ip strata {{
 }}
 """)
         self._prepared = True
+
+    @property
+    def blocked(self) -> tuple[str, ...]:
+        """The CIDRs no guest reaches, whatever its rules (worked out on first use, again by `prepare`)."""
+        if self._blocked is None:
+            return self.refresh_blocked()
+        return self._blocked
+
+    def refresh_blocked(self) -> tuple[str, ...]:
+        """Read the node's addresses and resolve the endpoints again: the
+        blocked set of the namespaces built from now on."""
+        addresses = own_addresses() + endpoint_addresses(self.endpoints)
+        self._blocked = blocked_ranges(self.base_blocked, addresses=addresses, opened=self.opened,
+                                       always=(str(self.pool),))
+        return self._blocked
 
     def reconcile(self, live: set[str]) -> list[str]:
         """Remove every network whose sandbox is not in `live` (a kill or a
@@ -260,6 +289,31 @@ table ip strata {{
         subprocess.run(["ip", "netns", "del", f"strata-{sid}"], capture_output=True)
         if not keep_lease:
             (self.slots / str(slot)).unlink(missing_ok=True)
+
+
+def own_addresses() -> list[str]:
+    """The IPv4 addresses of this thread's network namespace (the node's)."""
+    out = _run(["ip", "-j", "-4", "addr", "show"])
+    return [info["local"] for link in json.loads(out or "[]") for info in link.get("addr_info", ())
+            if "local" in info]
+
+
+def endpoint_addresses(endpoints: Iterable[str]) -> list[str]:
+    """The IPv4 addresses `endpoints` (URLs, HOST or HOST:PORT) resolve to
+    now. One that does not resolve is logged and left out: the private
+    ranges still cover it, unless it is public."""
+    addresses: list[str] = []
+    for endpoint in (e.strip() for e in endpoints if e and e.strip()):
+        host = urlsplit(endpoint if "//" in endpoint else f"//{endpoint}").hostname
+        if not host:
+            continue
+        try:
+            infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            log.warning("sandbox networks: cannot resolve %s (%s) to block it for guests: %s", host, endpoint, exc)
+            continue
+        addresses += sorted({str(info[4][0]) for info in infos})
+    return addresses
 
 
 def _lease_record(sid: str, rules: Egress) -> bytes:

@@ -10,16 +10,29 @@ their TTL (at least MIN_TTL) before the guest sees it, so a connection made
 right after the lookup is never refused; nothing is resolved ahead of time.
 
 Queries from anywhere but a sandbox are refused. Every query is answered
-on a small pool of threads; one that fails gets SERVFAIL, never a crash.
+on a fixed pool of threads; one that fails gets SERVFAIL, never a crash.
+
+One guest must not deny DNS to the others, so what it can hold is bounded:
+- at most `per_sandbox` of its queries (UDP, or TCP connections) are queued
+  or being answered at once; more are dropped at once (a stub resolver
+  retries), as is anything past the node's bound of `max_queued` waiting;
+- an upstream lookup has one deadline (`timeout`) for all the upstream
+  servers together, and a TCP query one deadline (`tcp_timeout`) for
+  reading it whole, so a query a black hole never answers, or a guest
+  trickling a TCP query a byte a second, holds a worker for a bounded time;
+- the guest's namespace limits the rate of its DNS packets (vmm/egress.py),
+  so a flood does not fill this resolver's one UDP socket for everyone.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import dns.exception
@@ -40,7 +53,10 @@ log = logging.getLogger(__name__)
 
 HOSTS_TTL = 60
 MAX_TCP_QUERY = 65535
-TCP_TIMEOUT = 5.0
+TCP_TIMEOUT = 5.0  # seconds to read a whole TCP query, however it is trickled
+WORKERS = 32
+PER_SANDBOX = 8  # queries (or TCP connections) of one sandbox queued or being answered at once
+MAX_QUEUED = 512  # queries waiting for a worker, all sandboxes together
 
 
 def system_nameservers(path: Path = Path("/etc/resolv.conf")) -> list[str]:
@@ -53,13 +69,20 @@ def system_nameservers(path: Path = Path("/etc/resolv.conf")) -> list[str]:
 
 class Resolver:
     def __init__(self, network: Network, *, port: int, hosts: dict[str, str] | None = None,
-                 upstream: list[str] | None = None, timeout: float = 3.0, workers: int = 8) -> None:
+                 upstream: list[str] | None = None, timeout: float = 3.0, workers: int = WORKERS,
+                 per_sandbox: int = PER_SANDBOX, max_queued: int = MAX_QUEUED,
+                 tcp_timeout: float = TCP_TIMEOUT) -> None:
+        """`timeout`: one upstream lookup, all servers together; the rest: see the module's docstring."""
         self.network = network
         self.port = port
         self.hosts = {name.lower().rstrip("."): address for name, address in (hosts or {}).items()}
         self.upstream = list(upstream if upstream is not None else system_nameservers())
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="strata-dns")
+        self.tcp_timeout = tcp_timeout
+        self.workers, self.per_sandbox = workers, per_sandbox
+        self._jobs: queue.Queue[tuple[str, Callable[[], None]]] = queue.Queue(maxsize=max_queued)
+        self._held: dict[str, int] = {}  # source address -> its queries queued or being answered
+        self._lock = threading.Lock()
         self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._stopped = threading.Event()
@@ -76,14 +99,51 @@ class Resolver:
         self._tcp.listen(64)
         self._tcp.settimeout(0.5)
         self._udp.settimeout(0.5)
+        for i in range(self.workers):
+            threading.Thread(target=self._work, daemon=True, name=f"strata-dns-{i}").start()
         threading.Thread(target=self._serve_udp, daemon=True, name="strata-dns-udp").start()
         threading.Thread(target=self._serve_tcp, daemon=True, name="strata-dns-tcp").start()
 
     def stop(self) -> None:
         self._stopped.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         self._udp.close()
         self._tcp.close()
+
+    # admission ------------------------------------------------------------------------
+    def _submit(self, source: str, job: Callable[[], None]) -> bool:
+        """Queue `job` for `source` unless that source already holds its share
+        or the queue is full (False: the caller drops the query)."""
+        with self._lock:
+            if self._held.get(source, 0) >= self.per_sandbox:
+                return False
+            self._held[source] = self._held.get(source, 0) + 1
+        try:
+            self._jobs.put_nowait((source, job))
+        except queue.Full:
+            self._release(source)
+            return False
+        return True
+
+    def _release(self, source: str) -> None:
+        with self._lock:
+            left = self._held.get(source, 0) - 1
+            if left > 0:
+                self._held[source] = left
+            else:
+                self._held.pop(source, None)
+
+    def _work(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                source, job = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - one query's failure must not end a worker
+                log.exception("resolver: a query from %s failed", source)
+            finally:
+                self._release(source)
 
     # transports -----------------------------------------------------------------------
     def _serve_udp(self) -> None:
@@ -94,7 +154,7 @@ class Resolver:
                 continue
             except OSError:
                 return
-            self._pool.submit(self._reply_udp, wire, peer)
+            self._submit(peer[0], lambda wire=wire, peer=peer: self._reply_udp(wire, peer))  # else dropped
 
     def _reply_udp(self, wire: bytes, peer: tuple[str, int]) -> None:
         reply = self.answer(wire, peer[0])
@@ -112,15 +172,17 @@ class Resolver:
                 continue
             except OSError:
                 return
-            self._pool.submit(self._reply_tcp, conn, peer[0])
+            if not self._submit(peer[0], lambda conn=conn, source=peer[0]: self._reply_tcp(conn, source)):
+                conn.close()
 
     def _reply_tcp(self, conn: socket.socket, source: str) -> None:
         with conn:
-            conn.settimeout(TCP_TIMEOUT)
+            deadline = time.monotonic() + self.tcp_timeout
             try:
-                size = struct.unpack("!H", _recv_exactly(conn, 2))[0]
-                reply = self.answer(_recv_exactly(conn, size), source, tcp=True)
+                size = struct.unpack("!H", _recv_exactly(conn, 2, deadline))[0]
+                reply = self.answer(_recv_exactly(conn, size, deadline), source, tcp=True)
                 if reply is not None:
+                    conn.settimeout(self.tcp_timeout)  # sendall's timeout is for all of it
                     conn.sendall(struct.pack("!H", len(reply)) + reply)
             except (OSError, ValueError):
                 pass
@@ -176,15 +238,21 @@ class Resolver:
         return response
 
     def _forward(self, query: dns.message.Message, tcp: bool) -> dns.message.Message:
+        """Ask the upstream servers in turn within one deadline (`timeout`):
+        each gets an equal share of what is left, so a dead first server
+        leaves time for the next, and many dead ones do not add up."""
         last: Exception | None = None
-        for server in self.upstream:
+        deadline = time.monotonic() + self.timeout
+        for i, server in enumerate(self.upstream):
+            share = (deadline - time.monotonic()) / (len(self.upstream) - i)
+            if share <= 0:
+                break
             host, _, port = server.partition(":")
-            try:
+            try:  # dnspython's timeout is the whole exchange's (connect, send, every receive)
                 if tcp:
-                    return dns.query.tcp(query, host, port=int(port or 53), timeout=self.timeout)
+                    return dns.query.tcp(query, host, port=int(port or 53), timeout=share)
                 # a truncated (TC) answer goes back as it is: the guest retries over TCP
-                return dns.query.udp(query, host, port=int(port or 53), timeout=self.timeout,
-                                     ignore_unexpected=True)
+                return dns.query.udp(query, host, port=int(port or 53), timeout=share, ignore_unexpected=True)
             except (dns.exception.DNSException, OSError) as exc:
                 last = exc
         raise dns.exception.Timeout() if last is None else last
@@ -205,9 +273,14 @@ def _response(query: dns.message.Message, rcode: int) -> dns.message.Message:
     return response
 
 
-def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+def _recv_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
+    """`size` bytes, all of them by `deadline` (time.monotonic), however they are trickled."""
     data = b""
     while len(data) < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("a TCP query was not read whole in time")
+        conn.settimeout(left)
         block = conn.recv(size - len(data))
         if not block:
             raise ValueError("connection closed mid-query")
