@@ -39,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(AttackMatrix(), "attack-matrix")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # gone before the rest of the suite starts nodes of its own
 def lab(tmp_path_factory: pytest.TempPathFactory, guest: Any) -> Any:
     """The node, gateway, bait and victim sandbox of tests/attacks/lab.py."""
     from tests.attacks.lab import Lab

@@ -112,7 +112,8 @@ class Lab:
         self.bait = Bait()
         self.node = NodeServer(tmp / "node", guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA},gamma:{GAMMA},delta:{DELTA}",
                                STRATA_TEAM_MAX_SANDBOXES="gamma=1", STRATA_TEAM_MAX_SNAPSHOTS="delta=1",
-                               STRATA_ADMIN_KEYS=f"ops:{ADMIN_KEY}", STRATA_NETWORK_ENABLED="true")
+                               STRATA_ADMIN_KEYS=f"ops:{ADMIN_KEY}", STRATA_NETWORK_ENABLED="true",
+                               STRATA_NETWORK_DNS_PORT=str(free_port()), STRATA_NETWORK_GATE_PORT=str(free_port()))
         self.node.env["STRATA_ADVERTISE_URL"] = self.node.url
         self.node.start()
         self.gateway = GatewayProcess(tmp, self.node.env)
