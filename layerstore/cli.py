@@ -269,10 +269,10 @@ def cmd_pull(args: argparse.Namespace, ctx: StoreContext) -> int:
     """A lazy pull leaves the chunks in the remote, so it first records this
     node's hold there (layerstore/nodes.py), whoever runs it: the remote's GC
     keeps what this node reads even once the remote's ref is gone and no
-    `strata serve` runs here. A full pull from the remote rewrites the hold
-    without the layers it completed."""
+    `strata serve` runs here. A full pull rewrites the hold without the
+    layers it completed."""
     from .nodes import Holds, node_id_of
-    from .transfer import pull
+    from .transfer import copy, lazy_pull
 
     source = _remote(args.source, ctx, "--from")
     c = ctx.config
@@ -282,11 +282,15 @@ def cmd_pull(args: argparse.Namespace, ctx: StoreContext) -> int:
     if not args.full and source == c.store:
         raise InvalidInput(f"{source} is this node's own store and its remote: nothing to pull")
     with ctx.open_store(source) as src, _store(args, ctx) as dst:
-        own = node_id_of(c.state_dir) if not args.full else _existing_node(ctx)
-        holds = Holds(src.backend, own, c.state_dir) if own and source == c.remote != c.store else None
+        if args.full:
+            code = _copy(ctx.out, args.name, "pulled",
+                         lambda progress, on_total: copy(src, dst, args.name, progress=progress, on_total=on_total))
+            _rewrite_hold(ctx, dst)
+            return code
+        holds = Holds(src.backend, node_id_of(c.state_dir), c.state_dir)
         return _copy(ctx.out, args.name, "pulled",
-                     lambda progress, on_total: pull(src, dst, args.name, holds=holds, chunks=args.full,
-                                                     prefetch=args.prefetch, progress=progress, on_total=on_total))
+                     lambda progress, on_total: lazy_pull(src, dst, args.name, holds=holds, prefetch=args.prefetch,
+                                                          progress=progress, on_total=on_total))
 
 
 def _existing_node(ctx: StoreContext) -> str | None:
@@ -301,13 +305,15 @@ def _rewrite_hold(ctx: StoreContext, store: Store) -> None:
     needed keeps chunks in the remote, it never loses any, so a remote that
     cannot be written only earns a warning."""
     from .nodes import Holds
+    from .store import open_backend
 
     c, node_id = ctx.config, _existing_node(ctx)
     if not c.remote or c.remote == c.store or node_id is None:
         return  # no remote, or this node never ran `serve` nor pulled lazily: it holds nothing
-    try:
-        with ctx.open_store(c.remote) as remote:
-            Holds(remote.backend, node_id, c.state_dir).refresh(store)
+    try:  # the remote's backend alone: a pull has the remote's store (and its catalog) open
+        remote = open_backend(c.remote, endpoint=c.s3_endpoint, region=c.s3_region,
+                              path_style=c.s3_path_style != "false")
+        Holds(remote, node_id, c.state_dir).refresh(store)
     except StrataError as exc:
         sys.stderr.write(f"strata: warning: this node's hold in {c.remote} was not rewritten ({exc}); it keeps "
                          "more there than needed until the next pull, image rm or gc\n")

@@ -20,9 +20,9 @@ chunks lazily from it (the destination still refuses a manifest naming a
 chunk its read path cannot serve). Every other copy publishes a manifest
 only where each chunk it names is stored (Store.put_layer).
 
-A manifests-only pull into a node's store (`pull`) leaves the chunks in the
+A manifests-only pull into a node's store (`lazy_pull`) leaves the chunks in the
 source, which may collect them: removing its ref there must not break the
-node's image. So `pull` holds a lease in the source for the whole copy (its
+node's image. So `lazy_pull` holds a lease in the source for the whole copy (its
 GC deletes nothing meanwhile), writes the node's hold there before copying
 (layerstore/nodes.py: the layers pulled and every layer the node still reads
 lazily) and rewrites it from the node's store once the name is published.
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from .chunk import MAX_CHUNK_SIZE, chunk_key, decode_chunk
 from .digest import digest_bytes
-from .errors import BackendError, CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
+from .errors import BackendError, CorruptObject, MissingChunk, NotFound, StrataError
 from .lease import Lease
 from .nodes import Holds
 from .pack import pack_key
@@ -140,31 +140,21 @@ def copy(
                           time.monotonic() - started)
 
 
-def pull(
+def lazy_pull(
     src: Store,
     dst: Store,
     name_text: str,
     *,
-    holds: Holds | None,
-    chunks: bool = False,
+    holds: Holds,
     prefetch: bool = False,
     workers: int = 8,
     progress: Progress | None = None,
     on_total: Progress | None = None,
 ) -> TransferResult:
-    """Copy `name` from `src` (the node's remote) into the node's store `dst`.
-
-    Manifests-only (`chunks=False`): `holds` (this node's hold in `src`) is
-    required, and what `dst` reads lazily is held in `src` before anything
-    is published. A full pull completes the layers it copies: `holds`, if
-    given, is rewritten without them so that `src` may collect them."""
-    if chunks:
-        result = copy(src, dst, name_text, chunks=True, workers=workers, progress=progress, on_total=on_total)
-        if holds is not None:
-            holds.refresh(dst)
-        return result
-    if holds is None:
-        raise InvalidInput(f"a manifests-only pull from {src.describe()} needs this node's hold there")
+    """Copy `name`'s manifests (and, with `prefetch`, its working set) from
+    `src`, the node's remote, into the node's store `dst`, the chunks left
+    in `src`: what `dst` then reads lazily is held in `src` (`holds`, this
+    node's hold there) before anything is published, or nothing is."""
     with contextlib.ExitStack() as stack:
         try:
             lease = stack.enter_context(Lease(src.backend, f"lazy pull of {name_text} into {dst.describe()}"))

@@ -246,3 +246,43 @@ def test_the_command_line_starts_without_the_web_framework() -> None:
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def _two_nodes(tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of a remote R and of a node B whose remote is R, with img:a imported in R."""
+    remote = {"STRATA_STORE": str(tmp_path / "r"), "STRATA_STATE_DIR": str(tmp_path / "r-state"),
+              "STRATA_RUN_DIR": str(tmp_path / "r-run")}
+    node = {"STRATA_STORE": str(tmp_path / "b"), "STRATA_STATE_DIR": str(tmp_path / "b-state"),
+            "STRATA_RUN_DIR": str(tmp_path / "b-run"), "STRATA_REMOTE": str(tmp_path / "r")}
+    write_image(tmp_path / "a.img", "rp", seed=41)
+    assert run(["image", "import", str(tmp_path / "a.img"), "img:a"], remote).returncode == 0
+    return remote, node
+
+
+def test_a_lazy_pull_whose_hold_the_remote_refuses_is_refused(tmp_path: Path) -> None:
+    """Fail closed: R cannot take B's hold, so B's lazy pull says so in one line and publishes
+    nothing; `pull --full` (which leaves nothing in R) still works."""
+    remote, node = _two_nodes(tmp_path)
+    (tmp_path / "r" / "objects" / "holds").write_text("not a directory")  # every put under holds/ fails
+    _one_line_error(run(["pull", "img:a"], node), 1, "pull --full")
+    assert json.loads(run(["image", "ls", "--json"], node).stdout) == []
+    r = run(["pull", "img:a", "--full", "--json"], node)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["chunks_sent"] == 2
+
+
+def test_gc_lists_the_holds_it_keeps_and_forget_node_releases_them(tmp_path: Path) -> None:
+    """A hold never expires, so `strata gc` names it (node, layers, age) where an operator sees it;
+    `--forget-node` lets a node that is gone for good go, and R collects its image."""
+    remote, node = _two_nodes(tmp_path)
+    assert run(["pull", "img:a"], node).returncode == 0
+    node_id = (tmp_path / "b-state" / "node-id").read_text().strip()
+    assert run(["image", "rm", "img:a"], remote).returncode == 0
+    r = run(["gc", "--grace", "0"], remote)
+    assert r.returncode == 0, r.stderr
+    assert f"kept for nodes that pulled lazily from this store: {node_id} (1 layers, written 0.0 d ago)" in r.stdout
+    assert "`strata gc --forget-node NODE`" in r.stdout
+    for _ in range(2):
+        r = run(["gc", "--grace", "0", "--forget-node", node_id, "--json"], remote)
+        assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["deleted"] == 3 and json.loads(r.stdout)["holds"] == []

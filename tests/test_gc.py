@@ -453,3 +453,62 @@ def test_a_node_starts_while_a_store_is_down_and_publishes_once_it_answers(tmp_p
             time.sleep(0.05)
     finally:
         beat.stop()
+
+
+def test_a_hold_is_kept_without_a_ttl_even_the_gcs_own_nodes_until_forgotten(store: Store, tmp_path: Path) -> None:
+    """A node's hold (what it pulled manifests-only from this store) has no ttl: it is marked however
+    old, also when the GC runs as that node (a hold is not its sandboxes' live roots), is listed in
+    the report, and goes only with `--forget-node` (a dry run forgets nothing)."""
+    doomed = garbage(store, tmp_path)
+    manifest = next(k for k in doomed if k.startswith("manifests/")).removeprefix("manifests/")
+    nodes.hold(store.backend, "node-b", [Name("layer", manifest)])
+    for step in (10, 20, 30 * 24 * HOUR):  # a month later the node may still come back
+        report = gc.collect(store, grace=0, now=time.time() + step, own_node="node-b")
+    assert doomed <= keys(store, "") and report.deleted == 0
+    assert [(h["node"], h["layers"]) for h in report.holds] == [("node-b", 1)]
+    dry = gc.collect(store, grace=0, now=time.time() + 40, forget_nodes=["node-b"], dry_run=True)
+    assert dry.holds == [] and keys(store, "holds/") == {"holds/node-b"}
+    gc.collect(store, grace=0, now=time.time() + 50, forget_nodes=["node-b"])
+    assert keys(store, "holds/") == set()
+    assert gc.collect(store, grace=0, now=time.time() + 60).deleted == len(doomed)
+
+
+def test_an_unreadable_hold_stops_gc(store: Store, tmp_path: Path) -> None:
+    """What a torn or foreign hold keeps is unknown: nothing is deleted, and the error names the node."""
+    doomed = garbage(store, tmp_path)
+    store.backend.put("holds/node-t", b'{"roots": [{"kind": "lay')
+    for step in (10, 20):
+        with pytest.raises(StrataError, match="hold of node node-t .*nothing was deleted.*--forget-node node-t"):
+            gc.collect(store, grace=0, now=time.time() + step)
+    store.backend.put("holds/node-t", json.dumps({"node": "node-t", "roots": [{"kind": "x", "value": "y"}]}).encode())
+    with pytest.raises(StrataError, match="hold of node node-t .*unknown kind"):
+        gc.collect(store, grace=0, now=time.time() + 30)
+    assert doomed <= keys(store, "")
+    nodes.hold(store.backend, "node-t", [])  # the node rewrote it: it reads nothing lazily now
+    assert keys(store, "holds/") == set()
+
+
+def test_a_hold_names_only_what_the_node_reads_lazily(tmp_path: Path) -> None:
+    """`lazy_roots`: the partial layers the node's refs, templates and snapshots reach; a layer a
+    full pull completed, and one no name reaches any more, are not held."""
+    src = local_store(tmp_path / "r")
+    node = local_store(tmp_path / "b", remote=LocalDirBackend(tmp_path / "r" / "objects", create=False))
+    made = {}
+    for seed, ref in ((31, "img:a"), (32, "img:b"), (33, "img:c")):
+        write_image(tmp_path / f"{seed}.img", "rp", seed=seed)
+        made[ref] = Name("layer", import_image(src, tmp_path / f"{seed}.img", ref).manifest_id)
+        copy(src, node, ref, chunks=False)
+    snapshot_id = store_snapshot_on(node, made["img:c"].value, tmp_path)
+    node.delete_ref("img:c")  # still reached by a snapshot of the node's whose disk sits on it
+    copy(src, node, "img:a")  # completed: every chunk is the node's own now
+    assert set(nodes.lazy_roots(node)) == {made["img:b"], made["img:c"]}
+    node.delete_ref("img:b")
+    node.backend.delete(f"snapshots/{snapshot_id}")
+    assert nodes.lazy_roots(node) == []
+    node.close()
+    src.close()
+
+
+def store_snapshot_on(store: Store, disk: str, tmp_path: Path) -> str:
+    """A snapshot in `store` whose disk layer is `disk` (a node's sandbox over a pulled image)."""
+    return store.put_snapshot(_snap({**_layers(store, tmp_path), "disk": disk}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 from pathlib import Path
 
@@ -266,3 +267,97 @@ def test_a_cli_lazy_pull_is_a_root_of_the_remote_gc(tmp_path: Path) -> None:
         _ok(run(["gc", "--grace", "0"], remote))
     _ok(run(["image", "export", "img:a", str(tmp_path / "out.img")], node))
     assert (tmp_path / "out.img").read_bytes() == data
+
+
+def _hold(store_dir: Path) -> list[dict[str, str]]:
+    """The roots of every hold in the local store at `store_dir`."""
+    holds = sorted((store_dir / "objects" / "holds").glob("*")) if (store_dir / "objects" / "holds").exists() else []
+    return [root for path in holds for root in json.loads(path.read_bytes())["roots"]]
+
+
+def test_a_hold_follows_the_nodes_store_and_releases_what_it_no_longer_reads(tmp_path: Path) -> None:
+    """The hold names the layers the node reads lazily, and no more: `pull --full` completes a
+    layer and releases it, `image rm` releases the rest, and R may then collect them (a hold is
+    no leak for a node that goes on running commands)."""
+    from tests.test_cli import run
+
+    write_image(tmp_path / "a.img", "rr", seed=21)
+    write_image(tmp_path / "b.img", "rp", seed=22)
+    remote, node = _node_env(tmp_path, "r"), _node_env(tmp_path, "b", remote=tmp_path / "r")
+    a = json.loads(_ok(run(["image", "import", str(tmp_path / "a.img"), "img:a", "--json"], remote)))["manifest"]
+    b = json.loads(_ok(run(["image", "import", str(tmp_path / "b.img"), "img:b", "--json"], remote)))["manifest"]
+    for ref in ("img:a", "img:b"):
+        _ok(run(["pull", ref], node))
+    assert _hold(tmp_path / "r") == [{"kind": "layer", "value": m} for m in sorted((a, b))]
+    _ok(run(["pull", "img:a", "--full"], node))  # every chunk of img:a is in B now
+    assert _hold(tmp_path / "r") == [{"kind": "layer", "value": b}]
+    _ok(run(["image", "rm", "img:b"], node))
+    assert _hold(tmp_path / "r") == []  # an empty hold is removed
+    for ref in ("img:a", "img:b"):
+        _ok(run(["image", "rm", ref], remote))
+    for _ in range(2):
+        report = json.loads(_ok(run(["gc", "--grace", "0", "--json"], remote)))
+    assert report["deleted"] > 0 and report["holds"] == []
+    _ok(run(["image", "export", "img:a", str(tmp_path / "out.img")], node))  # pulled in full: B's own
+
+
+class _NoHolds(LocalDirBackend):
+    """A remote this node may read and lease in, but not record a hold in (a read-mostly key)."""
+
+    def put(self, key: str, data: bytes) -> None:
+        if key.startswith("holds/"):
+            from layerstore.errors import AccessDenied
+
+            raise AccessDenied(f"access denied putting {key} (injected)")
+        super().put(key, data)
+
+
+def test_a_remote_that_refuses_the_hold_refuses_the_lazy_pull(src: Store, tmp_path: Path) -> None:
+    """Fail closed: a lazy pull that cannot make its roots known publishes nothing, and says
+    `pull --full` is the way; a full copy needs no hold and works."""
+    from layerstore.errors import StrataError
+    from layerstore.nodes import Holds
+    from layerstore.transfer import lazy_pull
+
+    write_image(tmp_path / "a.img", "rzp", seed=23)
+    import_image(src, tmp_path / "a.img", "img:a")
+    remote = Store(_NoHolds(tmp_path / "src" / "objects"), Catalog(tmp_path / "remote-catalog"))
+    node = local_store(tmp_path / "node", remote=remote.backend)
+    holds = Holds(remote.backend, "node-b", tmp_path / "node-state")
+    with pytest.raises(StrataError, match=r"holds/node-b.*access denied.*nothing was pulled.*pull --full"):
+        lazy_pull(remote, node, "img:a", holds=holds)
+    assert keys(node, "refs/") == set() and keys(node, "manifests/") == set()
+    assert keys(src, "leases/") == set()  # the lease went with the refusal
+    assert copy(remote, node, "img:a").chunks_sent == 2  # a full pull leaves nothing to hold
+    node.close()
+    remote.close()
+
+
+def test_a_gc_of_the_remote_during_a_lazy_pull_deletes_nothing_it_needs(src: Store, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """R's ref is removed and R is collected twice while B's pull is publishing: the pull's lease
+    in R postpones deletion, and once it is done B's hold keeps the chunks for every later GC."""
+    from layerstore import gc
+    from layerstore.nodes import Holds
+    from layerstore.transfer import lazy_pull
+
+    data = write_image(tmp_path / "a.img", "rrzp", seed=24)
+    import_image(src, tmp_path / "a.img", "img:a")
+    node = local_store(tmp_path / "node", remote=LocalDirBackend(tmp_path / "src" / "objects", create=False))
+    put_layer, reports = node.put_layer, []
+
+    def racing(layer, **kw):  # noqa: ANN001, ANN003
+        if not reports:
+            src.delete_ref("img:a")
+            reports.extend(gc.collect(src, grace=0, now=time.time() + step) for step in (10, 20))
+        return put_layer(layer, **kw)
+
+    monkeypatch.setattr(node, "put_layer", racing)
+    lazy_pull(src, node, "img:a", holds=Holds(src.backend, "node-b", tmp_path / "node-state"))
+    assert [r.deleted for r in reports] == [0, 0] and "live lease" in reports[1].postponed
+    for step in (30, 40):
+        report = gc.collect(src, grace=0, now=time.time() + step)
+    assert report.deleted == 0 and report.holds[0]["node"] == "node-b"
+    export_image(node, "img:a", tmp_path / "out.img")
+    assert (tmp_path / "out.img").read_bytes() == data
+    node.close()
