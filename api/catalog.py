@@ -190,8 +190,12 @@ class Catalog:
         quota (429)."""
         check_not_reserved(caller, parse_ref(ref))
         self._check_ref_free(caller, ref)
+        self._check_stored(caller, int(declared) if declared and declared.isdigit() else 0)
+
+    def _check_stored(self, caller: Caller, adding: int) -> None:
+        """QuotaExceeded if `adding` raw bytes would take the team past
+        team_max_stored (raw bytes: what they store is at most that)."""
         if self.config.team_limit(self.config.team_max_stored, caller.team) is not None:
-            adding = int(declared) if declared and declared.isdigit() else 0
             check_quota(self.config, caller, setting="team_max_stored", used=self._stored_bytes(caller.team),
                         adding=adding, unit=" bytes")
 
@@ -202,6 +206,8 @@ class Catalog:
         checked before reading."""
         await anyio.to_thread.run_sync(lambda: self.check_import(caller, ref, declared))
         async with staged(chunks, directory=self._uploads, limit=self.config.max_upload, declared=declared) as path:
+            # again with what arrived: a chunked upload declares no size
+            await anyio.to_thread.run_sync(lambda: self._check_stored(caller, path.stat().st_size))
             result = await anyio.to_thread.run_sync(
                 lambda: import_image(self.store, str(path), None, annotations={"source": "api upload"}))
             await anyio.to_thread.run_sync(lambda: self._publish(caller, ref, result.manifest_id))

@@ -1,6 +1,7 @@
 """The target the attack matrix's API rows aim at: a real `strata serve` on
 loopback with teams alpha (the victim), beta (the attacker), gamma (held to
-one sandbox) and delta (held to one snapshot) and an admin, a running sandbox of alpha's, a real `strata gateway` in front of the
+one sandbox), delta (held to one snapshot) and epsilon (to 8 MiB stored) and
+an admin, a running sandbox of alpha's, a real `strata gateway` in front of the
 node's store, and a bait server on another loopback port that only an
 attack would reach (every request it gets is counted)."""
 
@@ -19,6 +20,7 @@ from tests.conftest import free_port
 from tests.node_server import ADMIN_KEY, ROOT, NodeServer
 
 ALPHA, BETA, GAMMA, DELTA = "alpha-attack-key-01", "beta-attack-key-01", "gamma-attack-key-01", "delta-attack-key-1"
+EPSILON = "epsilon-attack-key-1"
 BAIT = b"bait-server-secret-3f9c"
 
 
@@ -110,8 +112,9 @@ class Lab:
 
     def __init__(self, tmp: Path, guest: Path) -> None:
         self.bait = Bait()
-        self.node = NodeServer(tmp / "node", guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA},gamma:{GAMMA},delta:{DELTA}",
-                               STRATA_TEAM_MAX_SANDBOXES="gamma=1", STRATA_TEAM_MAX_SNAPSHOTS="delta=1",
+        self.node = NodeServer(tmp / "node", guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA},gamma:{GAMMA},delta:{DELTA},"
+                               f"epsilon:{EPSILON}", STRATA_TEAM_MAX_SANDBOXES="gamma=1",
+                               STRATA_TEAM_MAX_SNAPSHOTS="delta=1", STRATA_TEAM_MAX_STORED="epsilon=8M",
                                STRATA_ADMIN_KEYS=f"ops:{ADMIN_KEY}", STRATA_NETWORK_ENABLED="true",
                                STRATA_NETWORK_DNS_PORT=str(free_port()), STRATA_NETWORK_GATE_PORT=str(free_port()))
         self.node.env["STRATA_ADVERTISE_URL"] = self.node.url
@@ -122,6 +125,7 @@ class Lab:
         self.beta = httpx.Client(base_url=self.node.url, headers={"X-API-Key": BETA}, timeout=300)
         self.gamma = httpx.Client(base_url=self.node.url, headers={"X-API-Key": GAMMA}, timeout=300)  # 1 sandbox
         self.delta = httpx.Client(base_url=self.node.url, headers={"X-API-Key": DELTA}, timeout=300)  # 1 snapshot
+        self.epsilon = httpx.Client(base_url=self.node.url, headers={"X-API-Key": EPSILON}, timeout=300)  # 8 MiB
         self.guest = guest
         assert self.alpha.put("/images/guest:alpha", content=(guest / "rootfs.ext4").read_bytes()).status_code == 201
         r = self.alpha.post("/sandboxes", json={"templateID": "guest:alpha", "timeout": 1800,
@@ -142,5 +146,6 @@ class Lab:
         self.beta.close()
         self.gamma.close()
         self.delta.close()
+        self.epsilon.close()
         self.node.cleanup()
         self.bait.close()

@@ -28,6 +28,20 @@ def test_a_disk_larger_than_the_node_is_refused(lab: Lab) -> None:
     assert len(lab.node.admin.get("/admin/sandboxes").json()) == before
 
 
+def test_a_chunked_upload_counts_against_the_stored_quota(lab: Lab) -> None:
+    """attacker: team epsilon, allowed 8 MiB stored.  target: the store's
+    space.  attempt: a 24 MiB image sent chunked (no Content-Length, so
+    nothing was declared to check).  must: 429 naming team_max_stored, no
+    image made."""
+    def body() -> Iterator[bytes]:
+        for _ in range(24):
+            yield os.urandom(1 << 20)
+
+    r = lab.epsilon.put("/images/big:v1", content=body())
+    assert r.status_code == 429 and "team_max_stored" in r.json()["message"], r.text
+    assert lab.epsilon.get("/images/big:v1").status_code == 404
+
+
 def test_pause_and_fork_count_against_the_snapshot_quota(lab: Lab) -> None:
     """attacker: team delta, allowed one snapshot.  target: the store's
     space, through snapshots that pause and fork keep.  attempt: a named
