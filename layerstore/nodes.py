@@ -34,9 +34,12 @@ published and no full pull has completed (`lazy_roots`; layers, not names:
 the remote's ref may be moved or removed, the exact manifests this node
 pulled may not). Unlike a node record a hold has no ttl: it cannot go
 stale, because a node that is merely off still needs its images when it
-comes back. Every later CLI pull, `image rm` and `gc` of the node rewrites
-it from the node's store (so a removed image or a `pull --full` releases
-its chunks); a hold left empty is removed. GC of the remote marks every
+comes back. (Not the node record itself: `strata serve` rewrites that
+from its own roots every ttl/3, and a CLI writing it too would race with
+it; and a record left unrenewed stops every GC of the store, which after a
+CLI pull would be two minutes later.) Every later CLI pull, `image rm`
+and `gc` of the node rewrites it from the node's store (so a removed image
+or a `pull --full` releases its chunks); a hold left empty is removed. GC of the remote marks every
 hold, its own node's too; a hold it cannot read stops it (fail closed). A
 node gone for good keeps its chunks until an operator runs `strata gc
 --forget-node ID`, which removes its record and its hold: `strata gc` lists
@@ -102,7 +105,8 @@ def node_id_of(state_dir: Path) -> str:
 
 
 def existing_node_id(state_dir: Path) -> str | None:
-    """This state directory's node id if a node (`strata serve`) ever ran on it."""
+    """This state directory's node id if a node (`strata serve`) ever ran on it,
+    or it ever pulled lazily (its hold in the remote is under this id)."""
     try:
         return check_node_id((state_dir / "node-id").read_text().strip())
     except (OSError, InvalidInput):
