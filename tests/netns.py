@@ -3,8 +3,10 @@ one namespace per node wired to it by a veth pair. Nothing touches the host's
 own namespace: the test thread enters the hub with setns(2) to talk to the
 nodes, and processes start inside a namespace through `ip netns exec`. A
 client whose connections come from threads the test does not own (the E2B
-SDK's HTTP runtime, started by whichever test used it first) goes through a
-`Forward`: a loopback port here relayed into a namespace."""
+SDK's HTTP runtime) goes through a `Forward`: a loopback port here relayed
+into a namespace. Such threads live in the namespace of the thread that
+started them (a new thread inherits its creator's), so the SDK's runtime is
+started here, outside every namespace, by `start_sdk_runtime`."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from vmm.domain_gate import _relay as relay
 
@@ -82,10 +85,33 @@ class Lab:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def start_sdk_runtime() -> None:
+    """Start the E2B SDK's HTTP runtime with its threads in this thread's namespace, and check they are.
+
+    The SDK (2.63 on) sends all its HTTP through pyqwest, whose tokio worker threads make every
+    connection. pyqwest starts them once per process, when the first transport is built, from the
+    thread building it: they inherit that thread's namespace and keep it for good. A test whose first
+    SDK call comes from inside `Lab.inside` would have them connect from the hub (and every later
+    SDK test with them); one that ran after another SDK test would have them here. Call this before
+    entering a namespace, so they are here whichever test runs first."""
+    from e2b.api.client_sync import get_pyqwest_transport
+
+    get_pyqwest_transport(None)  # the SDK's shared pool: building it starts pyqwest's runtime
+    here = os.readlink(f"/proc/self/task/{threading.get_native_id()}/ns/net")
+    workers = {task.name: os.readlink(task / "ns/net") for task in Path("/proc/self/task").iterdir()
+               if (task / "comm").read_text().startswith("tokio-rt")}
+    assert workers, "no pyqwest runtime threads after building the E2B SDK's transport"
+    elsewhere = {tid: ns for tid, ns in workers.items() if ns != here}
+    assert not elsewhere, (f"the E2B SDK's HTTP threads {elsewhere} are not in this thread's namespace {here}: "
+                           "the SDK was first used from inside a test namespace in this process")
+
+
 class Forward:
     """127.0.0.1:`port` in the namespace that creates it, each connection
     relayed to `target` (host, port) from inside namespace `name` of `lab`.
-    Create it before entering a namespace; set `target` once known."""
+    Create it before entering a namespace; set `target` once known. Its
+    clients' threads must live in that namespace too: for the E2B SDK, call
+    `start_sdk_runtime` there first."""
 
     def __init__(self, lab: Lab, name: str) -> None:
         self.lab, self.name = lab, name

@@ -35,7 +35,7 @@ from layerstore.errors import InvalidInput
 from layerstore.reach import Closure
 from layerstore.store import open_store
 from tests.conftest import IN_CI, ROOT, free_port, needs_qemu
-from tests.netns import Forward, Lab
+from tests.netns import Forward, Lab, start_sdk_runtime
 from tests.node_server import API_KEY, NodeServer
 from tests.seaweedfs_server import SeaweedFS
 
@@ -159,7 +159,7 @@ class Lab3:
 
     servers: list[NodeServer]
     gateway: Gateway
-    sdk_url: str  # the gateway, for the E2B SDK (whose HTTP runtime may live in this process's own namespace)
+    sdk_url: str  # the gateway, for the E2B SDK (whose HTTP runtime's threads live in this process's own namespace)
     ops: dict[str, str]  # an operator's `strata` on the shared store, from no node
     prefix: tuple[str, ...]
     s3: Any  # a boto3 client of the store's bucket
@@ -187,6 +187,7 @@ def cluster(tmp_path: Path, guest: Path) -> Iterator[Lab3]:
     try:
         for name in "abc":
             lab.add_node(name)
+        start_sdk_runtime()  # the SDK's HTTP threads here, outside the hub, even when no SDK test ran before
         forward = Forward(lab, "hub")  # made here, outside the hub: its loopback port is this process's
         with lab.inside("hub"):  # setns(2) is per thread: the test's HTTP goes out through the hub's bridge
             weed = SeaweedFS(tmp_path / "weed", ip=lab.addrs["hub"], prefix=lab.prefix("hub")).start()
