@@ -12,13 +12,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict
 from layerstore.gc import collect
 from layerstore.reach import Name
 from layerstore.store import Store
-from layerstore.transfer import copy
+from layerstore.nodes import Holds
+from layerstore.transfer import copy, lazy_pull
 
 
 class Maintenance:
@@ -61,6 +63,13 @@ class Maintenance:
 
     def pull(self, name: str, *, full: bool) -> dict:
         """Fetch `name` from the remote: every chunk (`full`), or only the
-        manifests, the chunks then read from the remote as needed."""
+        manifests, the chunks then read from the remote as needed; those are
+        this node's hold in the remote (layerstore/nodes.py), which the
+        remote's GC keeps whether or not this node's record is live."""
         with self._remote() as remote:  # the node reads chunks it lacks from this same remote
-            return copy(remote, self.store, name, chunks=full).as_dict()
+            holds = Holds(remote.backend, self.node_id, Path(self._config.state_dir))
+            if not full:
+                return lazy_pull(remote, self.store, name, holds=holds).as_dict()
+            result = copy(remote, self.store, name, chunks=True).as_dict()
+            holds.refresh(self.store)  # what this node now holds itself is no longer held there
+            return result

@@ -83,7 +83,8 @@ def test_push_pull_and_peer_fetch_across_namespaces(tmp_path: Path, guest: Path)
             assert after.get("remote", 0) > 0 and after.get("peer_rejected", 0) == 0, after
 
             # the shared store loses the template and its snapshot, then is collected twice: B's
-            # sandbox still reads every chunk (its node's roots name the layers it sits on)
+            # sandbox still reads every chunk (its node's roots name the layers it sits on), and
+            # B's own copy of the template, pulled manifests-only, keeps what it needs (B's hold)
             ops = {**b.env, "STRATA_STORE": "s3://shared/cluster", "STRATA_STATE_DIR": str(tmp_path / "ops")}
 
             def ops_cli(*args: str) -> str:
@@ -99,7 +100,8 @@ def test_push_pull_and_peer_fetch_across_namespaces(tmp_path: Path, guest: Path)
             for _ in range(2):  # two phases: candidates, then deletion
                 r = b.admin.post("/admin/gc", json={"grace": "0s", "target": "remote"})
                 assert r.status_code == 200, r.text
-            assert r.json()["deleted"] > 0, r.json()  # the snapshots' device state, which nothing needs now
+            assert r.json()["deleted"] == 0, r.json()  # the device state too: B's template restores from it
+            assert [h["node"] for h in r.json()["holds"]] == [(b.tmp / "state" / "node-id").read_text().strip()]
             assert b.admin.post("/admin/cache/drop").status_code == 200
             exec_in(b, second.json()["sandboxID"], "dd if=/dev/vda of=/dev/null bs=1M")  # every disk chunk
             assert exec_in(b, second.json()["sandboxID"], "cat /root/origin") == "made-on-a"
