@@ -8,16 +8,15 @@ attack would reach (every request it gets is counted)."""
 from __future__ import annotations
 
 import socket
-import subprocess
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 
 from tests.conftest import free_port
-from tests.node_server import ADMIN_KEY, ROOT, NodeServer
+from tests.node_server import ADMIN_KEY, NodeServer
+from tests.test_gateway import Gateway
 
 ALPHA, BETA, GAMMA, DELTA = "alpha-attack-key-01", "beta-attack-key-01", "gamma-attack-key-01", "delta-attack-key-1"
 EPSILON = "epsilon-attack-key-1"
@@ -75,38 +74,6 @@ def status_of(reply: bytes) -> int:
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
 
-class GatewayProcess:
-    """A real `strata gateway` on loopback over `env`'s store."""
-
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / "gateway.log"
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([str(ROOT / ".venv/bin/strata"), "gateway", "--host", "127.0.0.1",
-                                          "--port", str(self.port), "--refresh", "0.3"],
-                                         env=env, stdout=log, stderr=log)
-
-    def wait_for_node(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"the gateway never saw the node: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 class Lab:
     """The node, its gateway, the bait, and alpha's sandbox."""
 
@@ -119,8 +86,8 @@ class Lab:
                                STRATA_NETWORK_DNS_PORT=str(free_port()), STRATA_NETWORK_GATE_PORT=str(free_port()))
         self.node.env["STRATA_ADVERTISE_URL"] = self.node.url
         self.node.start()
-        self.gateway = GatewayProcess(tmp, self.node.env)
-        self.gateway.wait_for_node()
+        self.gateway = Gateway(tmp, self.node.env, host="127.0.0.1", prefix=())
+        self.gateway.wait_for(1)
         self.alpha = httpx.Client(base_url=self.node.url, headers={"X-API-Key": ALPHA}, timeout=300)
         self.beta = httpx.Client(base_url=self.node.url, headers={"X-API-Key": BETA}, timeout=300)
         self.gamma = httpx.Client(base_url=self.node.url, headers={"X-API-Key": GAMMA}, timeout=300)  # 1 sandbox

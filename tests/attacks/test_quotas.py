@@ -14,7 +14,8 @@ import pytest
 
 from layerstore import nodes
 from layerstore.store import open_store
-from tests.attacks.lab import GatewayProcess, Lab
+from tests.attacks.lab import Lab
+from tests.test_gateway import Gateway
 from tests.test_proxy import Served
 
 
@@ -112,11 +113,9 @@ def test_the_gateway_does_not_shop_a_team_quota_around(tmp_path: Path, limit: st
     for name, served, held in (("n1", servers[0], 0), ("n2", servers[1], 3)):  # n1 has more room: asked first
         nodes.publish(store.backend, name, [], about={"url": f"http://127.0.0.1:{served.port}", "max": 4,
                                                       "held": held})
-    (tmp_path / "none.toml").write_text("")
-    gateway = GatewayProcess(tmp_path, {**os.environ, "STRATA_STORE": str(tmp_path / "store"),
-                                        "STRATA_CONFIG": str(tmp_path / "none.toml")})
+    gateway = Gateway(tmp_path, {**os.environ, "STRATA_STORE": str(tmp_path / "store")}, host="127.0.0.1", prefix=())
     try:
-        gateway.wait_for_node()
+        gateway.wait_for(2)
         r = httpx.post(f"{gateway.url}/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": "k"})
         assert first.creates == 1
         if limit == "team":
