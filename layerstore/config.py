@@ -130,8 +130,10 @@ def _keys(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(entries)
 
 
-def _team_limits(parse: Callable[[str], int]) -> Callable[[str], dict[str, int]]:
-    """`TEAM=N,...,*=N` (`*`: every team not named) -> {team: N}; empty: no limit."""
+def _team_limits(parse: Callable[[str], int], *, every: str = "") -> Callable[[str], dict[str, int]]:
+    """`TEAM=N,...,*=N` (`*`: every team not named) -> {team: N}; empty: no
+    limit. With `every`, a setting that names no `*` gets `*=every`, so
+    naming one team never lifts the limit of the others."""
     def limits(text: str) -> dict[str, int]:
         out: dict[str, int] = {}
         for item in (p.strip() for p in str(text).split(",") if p.strip()):
@@ -139,6 +141,8 @@ def _team_limits(parse: Callable[[str], int]) -> Callable[[str], dict[str, int]]
             if not sep or not (team == "*" or TEAM_RE.fullmatch(team)):
                 raise ValueError(f"{item!r} is not TEAM=N (or *=N for every other team)")
             out[team] = parse(value.strip())
+        if every and "*" not in out:
+            out["*"] = parse(every)
         return out
 
     return limits
@@ -283,6 +287,12 @@ class NodeConfig:
     team_max_stored: dict[str, int] = _setting("", _team_limits(parse_bytes), "bytes a team's images and "
                                                                               "snapshots store at most: "
                                                                               "TEAM=SIZE,*=SIZE")
+    max_streams: int = _setting("1024", _positive, "long requests (execs, data-plane calls and streams, file "
+                                                   "transfers, watchers) the node serves at once; more are 429 "
+                                                   "(short requests have threads of their own)")
+    team_max_streams: dict[str, int] = _setting("*=256", _team_limits(_positive, every="256"),
+                                                "long requests a team holds at once: TEAM=N,*=N (a team not "
+                                                "named gets *, 256 unless given)")
     network_enabled: str = _setting("false", _choice("true", "false"), "give sandboxes a network: a namespace "
                                                                        "each, NAT to the uplink, egress rules "
                                                                        "(changes the host's nftables and "

@@ -84,3 +84,24 @@ def test_keys_belong_to_teams_and_quotas_are_per_team(tmp_path: Path) -> None:
     assert c.team_limit(c.team_max_sandboxes, "alpha") == 2 and c.team_limit(c.team_max_sandboxes, "zeta") == 5
     assert c.team_limit(c.team_max_stored, "beta-2") == 1 << 30 and c.team_limit(c.team_max_stored, "alpha") is None
     assert c.team_limit(c.team_max_snapshots, "alpha") is None
+
+
+def test_long_requests_are_limited_per_team_and_node(tmp_path: Path) -> None:
+    """Long requests (execs, data-plane streams, watchers; api/limits.py) have
+    a node-wide cap and a per-team one; a team not named gets `*`, which has
+    a default even when other teams are named (so naming one team never
+    lifts the limit of the rest)."""
+    (tmp_path / "empty.toml").write_text("")
+    base = {"STRATA_STORE": "/s", "STRATA_CONFIG": str(tmp_path / "empty.toml")}
+    c = NodeConfig.load(base)
+    assert c.max_streams == 1024 and c.team_limit(c.team_max_streams, "anyone") == 256
+    c = NodeConfig.load({**base, "STRATA_TEAM_MAX_STREAMS": "alpha=600", "STRATA_MAX_STREAMS": "2000"})
+    assert c.team_limit(c.team_max_streams, "alpha") == 600 and c.team_limit(c.team_max_streams, "beta") == 256
+    assert c.max_streams == 2000
+    c = NodeConfig.load({**base, "STRATA_TEAM_MAX_STREAMS": "alpha=600,*=8"})
+    assert c.team_limit(c.team_max_streams, "beta") == 8
+    again = NodeConfig.load({**c.env(), "STRATA_CONFIG": str(tmp_path / "empty.toml")})
+    assert again.team_max_streams == c.team_max_streams  # env() round-trips
+    for bad in ({"STRATA_TEAM_MAX_STREAMS": "alpha=0"}, {"STRATA_MAX_STREAMS": "0"}):
+        with pytest.raises(InvalidInput, match="must be at least 1"):
+            NodeConfig.load({**base, **bad})
