@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 
 from . import errors
 from .deps import KEY_HEADER
+from .limits import Limits
 from .node import Node
 from .ports import PortProxy
 from .proxy import OriginForm
@@ -35,15 +36,17 @@ from .teams import caller_of
 TITLE = "Strata node API"
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # metric labels; others: "other"
 OPEN = frozenset({("GET", "/health"), ("HEAD", "/health")})  # what answers without a key
+SHORT_THREADS = 512  # worker threads of short requests (list, create, info...)
 DESCRIPTION = "E2B-compatible sandbox lifecycle plus Strata's images, snapshots, templates and cache."
 
 
 @asynccontextmanager
 async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
-    # Lifecycle calls block in the VMM layer for seconds; with anyio's default
-    # 40 worker threads the 41st concurrent client would wait for a thread, not
-    # for its VM. A waiting client costs a thread, nothing more.
-    anyio.to_thread.current_default_thread_limiter().total_tokens = 512
+    # Short requests' threads. Lifecycle calls block in the VMM layer for
+    # seconds; with anyio's default 40 worker threads the 41st concurrent
+    # client would wait for a thread, not for its VM. Long work (execs, the
+    # data plane) never takes one of these: it has its own (api/limits.py).
+    anyio.to_thread.current_default_thread_limiter().total_tokens = SHORT_THREADS
     yield
 
 
@@ -67,8 +70,8 @@ async def _key_first(request: Request, call_next: Callable[[Request], Awaitable[
     path = request.url.path
     if (request.method, path) not in OPEN and not is_data_plane(path) and not is_upload(request.method, path):
         given = request.headers.get(KEY_HEADER.model.name)
-        if caller_of(given, request.app.state.node.config) is None:
-            return errors.error_response(401, "missing or invalid X-API-Key")
+        if caller_of(given, request.app.state.node.config) is None:  # and hang up: the body is never read
+            return errors.error_response(401, "missing or invalid X-API-Key", {"Connection": "close"})
     return await call_next(request)
 
 
@@ -77,6 +80,7 @@ def create_app(node: Node | None = None) -> FastAPI:
     app = FastAPI(lifespan=_lifespan, title=TITLE, version="1.0", description=DESCRIPTION,
                   responses=errors.DOCUMENTED, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.node = node
+    app.state.limits = Limits(node.config) if node is not None else None
     errors.install(app)
     app.middleware("http")(_key_first)
     app.middleware("http")(_timing)  # outermost of the API's, so refused requests are counted too

@@ -1,8 +1,10 @@
-"""What routes share: the node, authentication, and the Server-Timing header.
+"""What routes share: the node, authentication, the limits of long work,
+and the Server-Timing header.
 
 The node is the app's state (`app.state.node`), reached per request through
 `get_node`, so routes hold no closures over it and an app can be built
-without one (for the OpenAPI document).
+without one (for the OpenAPI document). So are the limits of long work
+(`app.state.limits`, api/limits.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fastapi import Depends, Request, Response
 from fastapi.security import APIKeyHeader
 from starlette.exceptions import HTTPException
 
+from .limits import Limits
 from .node import Node
 from .teams import Caller, caller_of
 
@@ -26,6 +29,13 @@ async def get_node(request: Request) -> Node:
 
 
 NodeDep = Annotated[Node, Depends(get_node)]
+
+
+async def get_limits(request: Request) -> Limits:
+    return request.app.state.limits
+
+
+LimitsDep = Annotated[Limits, Depends(get_limits)]
 
 
 async def api_key(node: NodeDep, key: str | None = Depends(KEY_HEADER)) -> Caller:

@@ -259,8 +259,8 @@ def watch_event(ev: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Watcher:
-    def __init__(self, sid: str, stream: Stream) -> None:
-        self.sid, self.stream = sid, stream
+    def __init__(self, sid: str, stream: Stream, release: Callable[[], None]) -> None:
+        self.sid, self.stream, self.release = sid, stream, release  # release: its place among long requests
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_WATCH_EVENTS)
         self.error: ConnectError | None = None
         self.lock = threading.Lock()
@@ -283,17 +283,21 @@ class _Watcher:
 
 class Watchers:
     """envd's CreateWatcher/GetWatcherEvents/RemoveWatcher: a watch stream
-    drained into a bounded list until polled."""
+    drained into a bounded list until polled. Each holds a thread (and a
+    guest stream) until removed, so each holds its team's place among long
+    requests (`release`, api/limits.py) until then too."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[str, _Watcher] = {}
 
-    def create(self, target: Target, path: str, recursive: bool) -> str:
+    def create(self, target: Target, path: str, recursive: bool, *,
+               release: Callable[[], None] = lambda: None) -> str:
+        """A watcher's id; `release` is called once it is removed or its sandbox dropped."""
         stream = target.call(lambda a: a.watch(path, recursive=recursive))
         wid = secrets.token_hex(8)
         with self._lock:
-            self._by_id[wid] = _Watcher(target.sid, stream)
+            self._by_id[wid] = _Watcher(target.sid, stream, release)
         return wid
 
     def _get(self, sid: str, wid: str) -> _Watcher:
@@ -316,11 +320,14 @@ class Watchers:
     def remove(self, sid: str, wid: str) -> None:
         w = self._get(sid, wid)
         with self._lock:
-            self._by_id.pop(wid, None)
+            if self._by_id.pop(wid, None) is None:
+                return  # removed meanwhile, and released then
         w.stream.cancel()
+        w.release()
 
     def drop_sandbox(self, sid: str) -> None:
         with self._lock:
-            gone = [wid for wid, w in self._by_id.items() if w.sid == sid]
-            for wid in gone:
-                self._by_id.pop(wid).stream.cancel()
+            gone = [self._by_id.pop(wid) for wid, w in list(self._by_id.items()) if w.sid == sid]
+        for w in gone:
+            w.stream.cancel()
+            w.release()

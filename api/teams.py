@@ -48,13 +48,28 @@ class Caller:
 ADMIN = Caller(DEFAULT_TEAM, admin=True)  # what the node itself acts as (reaper, warm pool, CLI)
 
 
+def same_secret(given: str | None, expected: str) -> bool:
+    """Whether `given` is the secret `expected`, in constant time. Compared
+    as UTF-8 bytes: `hmac.compare_digest` raises on str with non-ASCII
+    characters (a 500), and a header or query may carry any."""
+    encoded = (given or "").encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(encoded, expected.encode("utf-8", "surrogatepass")) and bool(given)
+
+
+def issued_form(given: str | None) -> str | None:
+    """`given` if it could be a token this node issued (printable ASCII, as
+    `secrets.token_urlsafe` makes them), else None: a credential of any
+    other form is simply wrong, and never reaches a comparison that could
+    choke on it."""
+    return given if given is not None and given.isascii() and given.isprintable() else None
+
+
 def caller_of(given: str | None, config: NodeConfig) -> Caller | None:
     """The caller a key belongs to, None if it is no key of this node.
     Every configured key is compared, each in constant time."""
-    text = (given or "").encode()
-    teams = [team for team, key in config.api_keys if hmac.compare_digest(text, key.encode())]  # admin keys too
-    admin = [key for _team, key in config.admin_keys if hmac.compare_digest(text, key.encode())]
-    return Caller(teams[0], admin=bool(admin)) if teams and given else None
+    teams = [team for team, key in config.api_keys if same_secret(given, key)]  # admin keys too
+    admin = [key for _team, key in config.admin_keys if same_secret(given, key)]
+    return Caller(teams[0], admin=bool(admin)) if teams else None
 
 
 class QuotaExceeded(Capacity):

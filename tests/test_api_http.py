@@ -4,9 +4,13 @@ Should-Retry). Seconds, no VMM; tests/test_api.py covers a real node."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -28,7 +32,9 @@ class StandIn:
     """The Node methods the routes under test call, and nothing else."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(api_keys=(("default", KEY), ("ops", ADMIN)), admin_keys=(("ops", ADMIN),))
+        self.config = SimpleNamespace(api_keys=(("default", KEY), ("ops", ADMIN)), admin_keys=(("ops", ADMIN),),
+                                      max_streams=1024, team_max_streams={"*": 256},
+                                      team_limit=lambda limits, team: limits.get(team, limits.get("*")))
         self.metrics = Metrics()
         self.vmm_seconds = 0.0
         self.domain = None
@@ -130,3 +136,119 @@ def test_metrics_label_only_known_methods(client: TestClient) -> None:
     assert client.get("/metrics").status_code == 403  # every team's sandboxes: admins only
     rendered = client.get("/metrics", headers={"X-API-Key": ADMIN}).text
     assert "BREW" not in rendered and 'method="other"' in rendered
+
+
+# --- long work and short requests (api/limits.py) ------------------------------------------
+
+class Blocking(StandIn):
+    """A node whose execs block until `release` is set, as a guest command
+    that runs for minutes would; team alpha and team beta have keys too."""
+
+    def __init__(self, **limits: object) -> None:
+        super().__init__()
+        self.config.api_keys += (("alpha", ALPHA), ("beta", BETA))
+        vars(self.config).update(limits)
+        self.release = threading.Event()
+        self.running = 0
+
+    def exec(self, _caller: object, sid: str, command: str, timeout: float) -> SimpleNamespace:
+        self.running += 1
+        self.release.wait(60)
+        return SimpleNamespace(exit_code=0, output=f"{command} in {sid}\n", dropped=0)
+
+
+ALPHA, BETA = "alpha-key-0001", "beta-key-0001"
+
+
+async def _serve(node: StandIn, work: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
+    """`work` against the app of `node`, in this event loop, lifespan included
+    (it sizes the worker threads as `strata serve` does)."""
+    app = create_app(node)  # type: ignore[arg-type]
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://node", timeout=30) as client:
+            await work(client)
+
+
+async def _until(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_600_long_execs_of_one_team_leave_short_requests_answered() -> None:
+    """The issue's attack in-process: team beta runs 600 execs that never end
+    (its limit raised to 600 here, so none is refused: the point is the
+    threads, not the quota). Short requests of another team are answered;
+    they wait for no thread beta holds."""
+    node = Blocking(team_max_streams={"beta": 600, "*": 256})
+
+    async def work(client: httpx.AsyncClient) -> None:
+        beta = {"X-API-Key": BETA}
+        execs = [asyncio.create_task(client.post("/sandboxes/sb1/exec", json={"command": "sleep 3000"}, headers=beta))
+                 for _ in range(600)]
+        await _until(lambda: node.running >= 512)  # as many as there are threads for short requests
+        for _ in range(3):
+            r = await asyncio.wait_for(client.get("/v2/sandboxes", headers={"X-API-Key": ALPHA}), 10)
+            assert r.status_code == 200, r.text
+            r = await asyncio.wait_for(client.post("/sandboxes", json={"templateID": "base"},
+                                                   headers={"X-API-Key": ALPHA}), 10)
+            assert r.status_code == 201, r.text
+        await _until(lambda: node.running == 600)
+        r = await asyncio.wait_for(client.post("/sandboxes/sb1/exec", json={"command": "true"}, headers=beta), 10)
+        assert r.status_code == 429 and "team_max_streams" in r.json()["message"], r.text
+        node.release.set()
+        assert {(await e).status_code for e in execs} == {200}
+
+    asyncio.run(work_with_timeout(node, work))
+
+
+async def work_with_timeout(node: StandIn, work: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
+    try:
+        await asyncio.wait_for(_serve(node, work), 120)
+    finally:
+        node.release.set()  # type: ignore[attr-defined]
+
+
+def test_a_team_past_its_long_request_limit_is_429_naming_it() -> None:
+    """team_max_streams per team (X-Strata-Limit: team), max_streams per node
+    (X-Strata-Limit: node); refused at once, and a finished exec gives its
+    place back."""
+    node = Blocking(team_max_streams={"alpha": 2, "*": 256}, max_streams=3)
+
+    async def work(client: httpx.AsyncClient) -> None:
+        alpha, beta = {"X-API-Key": ALPHA}, {"X-API-Key": BETA}
+        held = [asyncio.create_task(client.post("/sandboxes/sb1/exec", json={"command": "x"}, headers=alpha))
+                for _ in range(2)]
+        await _until(lambda: node.running == 2)
+        r = await client.post("/sandboxes/sb1/exec", json={"command": "x"}, headers=alpha)
+        assert r.status_code == 429 and r.headers["X-Strata-Limit"] == "team", r.text
+        assert r.json()["message"] == ("team alpha is over its quota team_max_streams: it has 2, this needs 1 more "
+                                       "and the limit is 2")
+        held.append(asyncio.create_task(client.post("/sandboxes/sb1/exec", json={"command": "x"}, headers=beta)))
+        await _until(lambda: node.running == 3)
+        r = await client.post("/sandboxes/sb1/exec", json={"command": "x"}, headers=beta)
+        assert r.status_code == 429 and r.headers["X-Strata-Limit"] == "node", r.text
+        assert "max_streams" in r.json()["message"] and "3" in r.json()["message"]
+        node.release.set()
+        assert [(await h).status_code for h in held] == [200, 200, 200]
+        r = await client.post("/sandboxes/sb1/exec", json={"command": "again"}, headers=alpha)
+        assert r.status_code == 200 and r.json()["output"] == "again in sb1\n", r.text
+
+    asyncio.run(work_with_timeout(node, work))
+
+
+NON_ASCII = ["é".encode() * 20, "ключ-ключ-ключ".encode(), b"\xff" * 16, KEY.encode() + b"\xe9", b"\x80" * 12]
+
+
+@pytest.mark.parametrize("header", NON_ASCII)
+def test_a_non_ascii_key_is_401_never_500(header: bytes) -> None:
+    """X-API-Key as bytes that are not ASCII (UTF-8, Latin-1, or a valid key
+    with one more byte): refused like any wrong key, on plain, admin and
+    long-request routes."""
+    client = TestClient(create_app(Blocking()), raise_server_exceptions=False)  # type: ignore[arg-type]
+    for method, path in (("GET", "/v2/sandboxes"), ("GET", "/admin/sandboxes"), ("POST", "/sandboxes/sb1/exec"),
+                         ("GET", "/metrics"), ("POST", "/sandboxes")):
+        r = client.request(method, path, headers={"X-API-Key": header}, json={"command": "true"})
+        assert r.status_code == 401, (path, r.status_code, r.text)

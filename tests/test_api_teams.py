@@ -3,11 +3,20 @@ sandboxes, snapshots, templates and images are unknown (404, the same answer
 as a missing one) and cannot be taken over (409, nothing changes); admin keys
 see everything; per-team quotas answer 429 and create nothing; a schemathesis
 run with one team's key never answers 5xx and never shows the other team's
-objects."""
+objects; one team's 600 long requests (streams and execs) leave the other
+teams' short requests answered, and its 601st is refused naming its limit."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
+import selectors
+import socket
+import struct
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Iterator
 
@@ -21,13 +30,15 @@ from tests.node_server import ADMIN_KEY, ROOT, NodeServer
 pytestmark = needs_qemu
 
 ALPHA, BETA = "alpha-key-0001", "beta-key-0001"
+GAMMA, DELTA = "gamma-key-0001", "delta-key-0001"  # the long requests' team, and a team beside it
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, guest: Path) -> Iterator[NodeServer]:
-    srv = NodeServer(tmp_path_factory.mktemp("teams"), guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA}",
+    srv = NodeServer(tmp_path_factory.mktemp("teams"), guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA},gamma:{GAMMA},delta:{DELTA}",
                      STRATA_ADMIN_KEYS=f"ops:{ADMIN_KEY}", STRATA_TEAM_MAX_SANDBOXES="alpha=1",
-                     STRATA_TEAM_MAX_SNAPSHOTS="alpha=1", STRATA_TEAM_MAX_STORED="beta=64M")
+                     STRATA_TEAM_MAX_SNAPSHOTS="alpha=1", STRATA_TEAM_MAX_STORED="beta=64M",
+                     STRATA_TEAM_MAX_STREAMS="gamma=600")
     srv.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")  # the CLI's: team default
     srv.start()
     yield srv
@@ -176,3 +187,126 @@ def test_schemathesis_with_another_teams_key_leaks_nothing(node: NodeServer, alp
     assert a.get("/images/base:v1").json()["manifest"] == alpha_sandbox["manifest"]
     for s in client(node, BETA).get("/v2/sandboxes").json():  # a generated create may have started one
         client(node, BETA).delete(f"/sandboxes/{s['sandboxID']}")
+
+
+# --- one team's long requests and everyone else's short ones (api/limits.py) ---------------
+
+def envelope(message: dict) -> bytes:
+    data = json.dumps(message).encode()
+    return struct.pack(">BI", 0, len(data)) + data
+
+
+def post(path: str, headers: dict[str, str], body: bytes) -> bytes:
+    """A raw HTTP/1.1 POST of `body`."""
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
+
+
+def stream_request(sandbox: dict, rpc: str, message: dict) -> bytes:
+    """An envd process stream (Start, Connect) with the sandbox's token; it
+    lasts as long as the process, quiet: a keepalive an hour (a client's choice)."""
+    return post(f"/process.Process/{rpc}", {"E2b-Sandbox-Id": sandbox["sandboxID"],
+                                            "X-Access-Token": sandbox["envdAccessToken"],
+                                            "Content-Type": "application/connect+json",
+                                            "Keepalive-Ping-Interval": "3600"}, envelope(message))
+
+
+def exec_request(sandbox: dict, key: str, command: str) -> bytes:
+    return post(f"/sandboxes/{sandbox['sandboxID']}/exec", {"X-API-Key": key, "Content-Type": "application/json"},
+                json.dumps({"command": command, "timeout": 3600}).encode())
+
+
+class Held:
+    """Requests held open on raw sockets: each sent whole, its answer
+    collected as it comes (a client that starts streams and sits on them)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.selector = selectors.DefaultSelector()
+        self.replies: dict[socket.socket, bytes] = {}
+
+    def open(self, request: bytes, count: int = 1) -> list[socket.socket]:
+        opened = []
+        for _ in range(count):
+            s = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+            s.sendall(request)
+            s.setblocking(False)
+            self.replies[s] = b""
+            self.selector.register(s, selectors.EVENT_READ)
+            opened.append(s)
+        return opened
+
+    def started_pid(self, s: socket.socket, timeout: float = 60) -> int:
+        """The pid a Start stream on `s` reported."""
+        assert self.wait(lambda h: b'"pid"' in h.replies[s], timeout), self.replies[s][:500]
+        found = re.search(rb'"pid":\s*(\d+)', self.replies[s])
+        assert found, self.replies[s][:500]
+        return int(found.group(1))
+
+    def count(self, marker: bytes) -> int:
+        return sum(marker in reply for reply in self.replies.values())
+
+    def wait(self, done: Callable[["Held"], bool], timeout: float) -> bool:
+        """Collect answers until `done(self)` or `timeout` seconds pass."""
+        deadline = time.monotonic() + timeout
+        while not done(self) and time.monotonic() < deadline:
+            for key, _ in self.selector.select(0.2):
+                s = key.fileobj
+                try:
+                    data = s.recv(65536)  # type: ignore[union-attr]
+                except (BlockingIOError, ConnectionResetError):
+                    data = b""
+                if not data:
+                    self.selector.unregister(s)
+                self.replies[s] += data  # type: ignore[index]
+        return done(self)
+
+    def close(self) -> None:
+        for s in self.replies:
+            s.close()
+        self.selector.close()
+
+
+def test_a_teams_600_long_requests_leave_other_teams_answered(node: NodeServer) -> None:
+    """Team gamma (allowed 600 long requests) holds 20 execs of `sleep 600`
+    and 580 process streams (a start and 289 attaches on each of two
+    sandboxes): more than the worker threads short requests have (512).
+    Team delta's list, create, exec, info and kill are answered all the
+    while, as are alpha's; gamma's 601st is 429 naming team_max_streams.
+    (Timeouts here only catch a hang; nothing is timed.)"""
+    gamma = client(node, GAMMA)
+    delta, alpha = (httpx.Client(base_url=node.url, headers={"X-API-Key": key}, timeout=60) for key in (DELTA, ALPHA))
+    rootfs = (Path(node.env["STRATA_GUEST_DIR"]) / "rootfs.ext4").read_bytes()
+    for team, ref in ((gamma, "guest:gamma"), (delta, "guest:delta")):
+        assert team.put(f"/images/{ref}", content=rootfs).status_code == 201
+    boxes = [gamma.post("/sandboxes", json={"templateID": "guest:gamma", "timeout": 900}).json() for _ in range(2)]
+    held = Held(node.port)
+    try:
+        for box in boxes:
+            started = held.open(stream_request(box, "Start", {"process": {"cmd": "/bin/sh",
+                                                                          "args": ["-c", "sleep 3000"]}}))
+            pid = held.started_pid(started[0])
+            held.open(exec_request(box, GAMMA, "sleep 600"), 10)
+            held.open(stream_request(box, "Connect", {"process": {"pid": pid}}), 289)
+        # as many as there are threads for short requests: a node that shares them is stuck from here on
+        assert held.wait(lambda h: h.count(b'"start"') >= 512 - 20, 120), held.count(b'"start"')
+        for _ in range(2):
+            assert delta.get("/v2/sandboxes").status_code == 200
+            assert alpha.get("/v2/sandboxes").status_code == 200
+        r = delta.post("/sandboxes", json={"templateID": "guest:delta", "timeout": 300})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        assert delta.post(f"/sandboxes/{sid}/exec", json={"command": "echo answered"}).json()["output"] == "answered\n"
+        assert delta.get(f"/sandboxes/{sid}").json()["state"] == "running"
+        assert delta.delete(f"/sandboxes/{sid}").status_code == 204
+        assert held.wait(lambda h: h.count(b'"start"') == 580, 120), held.count(b'"start"')
+        assert held.count(b"HTTP/1.1 5") == 0 and held.count(b"resource_exhausted") == 0
+        r = gamma.post(f"/sandboxes/{boxes[0]['sandboxID']}/exec", json={"command": "true"})
+        assert r.status_code == 429 and r.headers["X-Strata-Limit"] == "team", r.text
+        assert "team gamma is over its quota team_max_streams" in r.json()["message"] and "600" in r.json()["message"]
+    finally:
+        held.close()
+        for box in boxes:  # a node that is stuck does not answer this either: the failure above is the one to see
+            with contextlib.suppress(httpx.HTTPError):
+                gamma.delete(f"/sandboxes/{box['sandboxID']}", timeout=30)

@@ -543,3 +543,136 @@ def test_a_sandbox_boots_an_image_bigger_than_the_nodes_disk(guest: Path, tmp_pa
         subprocess.run([str(ROOT / ".venv/bin/strata"), "umount", str(state / "mnt")], env=srv.env,
                        capture_output=True, timeout=60)
         subprocess.run(["umount", str(state)], capture_output=True)
+
+
+# --- what the data plane reads, and from whom (issue #33, findings 6 and 11) ---------------
+
+HUGE = 20 << 30  # the Content-Length an attacker declares: 20 GiB
+SEND_AT_MOST = 256 << 20  # what the test sends of it before it gives up waiting for an answer
+
+
+@pytest.fixture(scope="module")
+def quiet(server: NodeServer) -> Iterator[dict]:
+    """A running sandbox of the node's default team, for the requests below."""
+    r = server.client.post("/sandboxes", json={"templateID": "base", "timeout": 600})
+    assert r.status_code == 201, r.text
+    yield r.json()
+    server.client.delete(f"/sandboxes/{r.json()['sandboxID']}")
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of process `pid`."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def push_body(port: int, head: bytes, *, at_most: int = SEND_AT_MOST) -> tuple[bytes, int]:
+    """Send `head` (a request line and headers declaring a huge body), then
+    body bytes until the server answers, hangs up or `at_most` are sent.
+    Returns (what the server answered, body bytes sent before that)."""
+    import select
+    import socket
+
+    block, sent, got = b"\0" * (1 << 20), 0, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head)
+        s.setblocking(False)
+        while sent < at_most and not got:
+            readable, writable, _ = select.select([s], [s], [], 5)
+            if readable:
+                try:
+                    got = s.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not got:
+                    break
+            elif writable:
+                try:
+                    sent += s.send(block)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            else:
+                break  # neither: the server stopped reading and said nothing
+        s.setblocking(True)
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return got, sent
+
+
+def _head(path: str, headers: dict[str, str | bytes], *, length: int = HUGE) -> bytes:
+    lines = [f"POST {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", f"Content-Length: {length}".encode()]
+    lines += [k.encode() + b": " + (v if isinstance(v, bytes) else v.encode()) for k, v in headers.items()]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("path, kind", [("/filesystem.Filesystem/Stat", "application/json"),
+                                        ("/process.Process/Start", "application/connect+json"),
+                                        ("/files?path=/root/big", "application/octet-stream")])
+def test_an_anonymous_huge_body_is_refused_before_it_is_read(server: NodeServer, quiet: dict, path: str,
+                                                              kind: str) -> None:
+    """A 20 GiB body without a token: 401 comes back while the client is
+    still sending, the connection is closed, and the node's memory does not
+    grow with what was sent."""
+    assert server.proc is not None
+    before = rss(server.proc.pid)
+    head = _head(path, {"E2b-Sandbox-Id": quiet["sandboxID"], "Content-Type": kind})
+    got, sent = push_body(server.port, head)
+    assert got.startswith(b"HTTP/1.1 401") or b'"unauthenticated"' in got, got[:300]
+    assert sent < SEND_AT_MOST, f"the node read {sent >> 20} MiB of an anonymous body and said nothing"
+    assert rss(server.proc.pid) - before < 64 << 20
+
+
+def test_a_body_over_the_message_limit_is_413_before_it_is_read(server: NodeServer, quiet: dict) -> None:
+    """With the sandbox's token: a declared Content-Length past the Connect
+    message limit is 413 before the body; a chunked body is cut off at the
+    limit (413), never buffered whole."""
+    good = {"E2b-Sandbox-Id": quiet["sandboxID"], "X-Access-Token": quiet["envdAccessToken"],
+            "Content-Type": "application/json"}
+    got, sent = push_body(server.port, _head("/filesystem.Filesystem/Stat", good))
+    assert got.startswith(b"HTTP/1.1 413"), got[:300]
+    assert sent < SEND_AT_MOST
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(64):  # 64 MiB, chunked: no Content-Length to refuse up front
+            yield b" " * (1 << 20)
+
+    r = httpx.post(f"{server.url}/filesystem.Filesystem/Stat", content=chunks(), headers=good, timeout=60)
+    assert r.status_code == 413, r.text
+    assert httpx.post(f"{server.url}/filesystem.Filesystem/Stat", json={"path": "/root"}, headers=good
+                      ).status_code == 200
+
+
+NON_ASCII = ["é" * 32, "токен-токен-токен", "\u00ff" * 32]
+
+
+@pytest.mark.parametrize("value", NON_ASCII)
+@pytest.mark.parametrize("header", ["X-Access-Token", "X-API-Key"])
+def test_a_non_ascii_token_is_401_never_500(server: NodeServer, quiet: dict, header: str, value: str) -> None:
+    """A token or key that is not ASCII (sent as UTF-8 or Latin-1 bytes) on
+    every data-plane route: refused like any wrong one."""
+    import socket
+
+    from tests.attacks.lab import status_of
+
+    for raw_value in (value.encode("utf-8"), value.encode("latin-1", "replace")):
+        for path, kind, body in (("/filesystem.Filesystem/Stat", "application/json", b'{"path": "/root"}'),
+                                 ("/process.Process/Start", "application/connect+json",
+                                  _envelope({"process": {"cmd": "/bin/true"}})),
+                                 ("/files?path=/root/x", "application/octet-stream", b"data")):
+            head = _head(path, {"E2b-Sandbox-Id": quiet["sandboxID"], "Content-Type": kind, header: raw_value,
+                                "Connection": "close"}, length=len(body))
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+                s.sendall(head + body)
+                reply = b""
+                while chunk := s.recv(65536):
+                    reply += chunk
+            assert status_of(reply) == 401 or b'"unauthenticated"' in reply, (path, reply[:400])
+        r = httpx.get(f"{server.url}/files", params={"path": "/etc/hostname"},
+                      headers={"E2b-Sandbox-Id": quiet["sandboxID"], header: value.encode()})
+        assert r.status_code == 401, r.text

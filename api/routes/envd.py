@@ -18,20 +18,27 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from layerstore.config import DEFAULT_TEAM
 from layerstore.errors import StrataError
 from vmm.agent import AgentError, AgentTimeout, Stream
 
 from .. import envd
-from ..connect import HTTP_STATUS, STREAM_TYPE, ConnectError, end_of_stream, envelope, request_message
+from ..connect import (HTTP_STATUS, MAX_MESSAGE, STREAM_TYPE, ConnectError, end_of_stream, envelope,
+                       request_message)
 from ..deps import NodeDep
 from ..envd import Target, entry_info, path_of
+from ..errors import LIMIT_HEADER
+from ..exceptions import Capacity, TooLarge
+from ..limits import Lease, LeasedStream, Limits
+from ..teams import QuotaExceeded, issued_form
 
 router = APIRouter(include_in_schema=False)
 log = logging.getLogger("strata.api")
@@ -39,6 +46,8 @@ PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_HOST = re.compile(r"^49983-([A-Za-z0-9-]{1,64})\.")
 DEFAULT_KEEPALIVE = 50.0  # seconds between keepalive events on a quiet stream (the SDK asks for its own)
 UPLOAD_BLOCK = 1 << 20  # bytes gathered from the request before each hand-off to the agent
+MAX_BODY = MAX_MESSAGE + 5  # a Connect request body: one message, in an envelope if streamed
+HANG_UP = {"Connection": "close"}  # on a refusal sent before the body is read: it never will be
 
 
 def is_data_plane(path: str) -> bool:
@@ -68,10 +77,44 @@ def sandbox_of(request: Request) -> str:
     return given
 
 
-async def _target(request: Request, node: Any) -> Target:
-    return await run_in_threadpool(node.data_plane, sandbox_of(request),
-                                   token=request.headers.get("x-access-token"),
-                                   key=request.headers.get("x-api-key"), user=_user(request))
+async def _target(request: Request, node: Any) -> tuple[Target, str]:
+    """The sandbox the request may use, and the team it belongs to (whose
+    long requests this one counts among). A token of a form the node never
+    issues is no token."""
+    def authorize() -> tuple[Target, str]:
+        target = node.data_plane(sandbox_of(request), token=issued_form(request.headers.get("x-access-token")),
+                                 key=request.headers.get("x-api-key"), user=_user(request))
+        return target, node.record(target.sid).team or DEFAULT_TEAM
+
+    return await run_in_threadpool(authorize)
+
+
+def _admit(request: Request, team: str) -> Lease:
+    """A place for one long request of `team` (api/limits.py), or the
+    Connect error that names the limit it is past."""
+    try:
+        return _limits(request).admit(team)
+    except Capacity as exc:
+        raise LimitReached(exc) from None
+
+
+def _limits(request: Request) -> Limits:
+    return request.app.state.limits
+
+
+async def read_body(request: Request, *, limit: int) -> bytes:
+    """The request's body, refused (TooLarge) as soon as it is known to be
+    past `limit`: from its Content-Length before a byte is read, or while
+    it streams in; never buffered past the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared and (not declared.isdigit() or int(declared) > limit):
+        raise TooLarge(f"the request body is {declared} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(f"the request body is past the limit of {limit} bytes")
+    return bytes(body)
 
 
 # --- Connect services -----------------------------------------------------------------
@@ -81,6 +124,15 @@ async def _target(request: Request, node: Any) -> Target:
 class Rpc:
     fn: Callable[..., Any]  # (node, target, message, headers) -> a response message, or an iterator of them
     streaming: bool = False
+    keeps: bool = False  # what the call makes (a polling watcher) keeps its lease: fn gets it as `lease=`
+
+
+class LimitReached(ConnectError):
+    """A long request past its team's or the node's limit; X-Strata-Limit says whose."""
+
+    def __init__(self, exc: Capacity) -> None:
+        super().__init__("resource_exhausted", str(exc))
+        self.headers = {LIMIT_HEADER: "team" if isinstance(exc, QuotaExceeded) else "node"}
 
 
 def _keepalive(headers: Any) -> float:
@@ -176,7 +228,8 @@ FILESYSTEM = {
         lambda a: a.list_dir(path_of(m), depth=envd.int_of(m, "depth", 1) or 1, user=t.user))]}),
     "Remove": Rpc(lambda n, t, m, h: (t.call(lambda a: a.remove(path_of(m), user=t.user)), {})[1]),
     "WatchDir": Rpc(_watch, streaming=True),
-    "CreateWatcher": Rpc(lambda n, t, m, h: {"watcherId": n.watchers.create(t, path_of(m), bool(m.get("recursive")))}),
+    "CreateWatcher": Rpc(lambda n, t, m, h, lease: {"watcherId": n.watchers.create(
+        t, path_of(m), bool(m.get("recursive")), release=lease.release)}, keeps=True),
     "GetWatcherEvents": Rpc(lambda n, t, m, h: {"events": n.watchers.poll(t.sid, str(m.get("watcherId", "")))}),
     "RemoveWatcher": Rpc(lambda n, t, m, h: (n.watchers.remove(t.sid, str(m.get("watcherId", ""))), {})[1]),
 }
@@ -193,21 +246,55 @@ async def filesystem_service(method: str, request: Request, node: NodeDep) -> Re
 
 
 async def _rpc(request: Request, node: Any, table: dict[str, Rpc], method: str) -> Response:
+    """One Connect call: the token before any byte of the body, the body
+    capped, a place among the team's long requests, then the call."""
     streaming = request.headers.get("content-type", "").startswith(STREAM_TYPE)
     try:
         rpc = table.get(method)
         if rpc is None:
             raise ConnectError("unimplemented", f"method {method} is not served")
-        message = request_message(request.headers.get("content-type", ""), await request.body())
-        target = await _target(request, node)
-        result = await run_in_threadpool(rpc.fn, node, target, message, request.headers)
+        target, team = await _target(request, node)
+        body = await read_body(request, limit=MAX_BODY)
+    except TooLarge as exc:
+        return _refused(ConnectError("resource_exhausted", str(exc)), streaming, status=413)
     except ConnectError as exc:
-        if streaming:
-            return Response(end_of_stream(exc), media_type=STREAM_TYPE)
-        return JSONResponse(exc.body(), status_code=HTTP_STATUS[exc.code])
-    if rpc.streaming:
-        return StreamingResponse(_envelopes(result), media_type=STREAM_TYPE)
-    return JSONResponse(result)
+        return _refused(exc, streaming, unread=True)
+    try:
+        message = request_message(request.headers.get("content-type", ""), body)
+        lease = _admit(request, team)
+    except ConnectError as exc:
+        return _refused(exc, streaming)
+    return await _call(request, node, rpc, (target, message), lease, streaming)
+
+
+async def _call(request: Request, node: Any, rpc: Rpc, what: tuple[Target, dict[str, Any]], lease: Lease,
+                streaming: bool) -> Response:
+    """Run `rpc` on a long-work thread; its lease is given back when the
+    answer is made, or when the stream ends (or goes with a watcher)."""
+    limits, handed = _limits(request), False
+    fn = partial(rpc.fn, lease=lease) if rpc.keeps else rpc.fn
+    try:
+        result = await limits.run(fn, node, *what, request.headers)
+        if rpc.streaming:
+            handed = True
+            return LeasedStream(_envelopes(result), limits=limits, lease=lease, media_type=STREAM_TYPE)
+        handed = rpc.keeps
+        return JSONResponse(result)
+    except ConnectError as exc:
+        return _refused(exc, streaming)
+    finally:
+        if not handed:
+            lease.release()
+
+
+def _refused(exc: ConnectError, streaming: bool, *, status: int | None = None, unread: bool = False) -> Response:
+    """A Connect error: in a stream's end message (HTTP 200), or as an HTTP
+    status (always for one the body was never read for, 413: the
+    connection is closed with it, so the body never will be)."""
+    headers = {**getattr(exc, "headers", {}), **(HANG_UP if unread or status == 413 else {})}
+    if streaming and status is None:
+        return Response(end_of_stream(exc), media_type=STREAM_TYPE, headers=headers)
+    return JSONResponse(exc.body(), status_code=status or HTTP_STATUS[exc.code], headers=headers)
 
 
 def _envelopes(messages: Iterator[dict[str, Any]]) -> Iterator[bytes]:
@@ -220,29 +307,42 @@ def _envelopes(messages: Iterator[dict[str, Any]]) -> Iterator[bytes]:
     except StrataError as exc:
         yield end_of_stream(ConnectError("internal", str(exc)))
         return
+    finally:
+        getattr(messages, "close", lambda: None)()  # now, not when collected: it holds a guest stream
     yield end_of_stream()
 
 
 # --- /files ---------------------------------------------------------------------------
 
 
-def _files_error(exc: ConnectError) -> JSONResponse:
+def _files_error(exc: ConnectError, *, unread: bool = False) -> JSONResponse:
     status = {"not_found": 404, "invalid_argument": 400, "unauthenticated": 401, "permission_denied": 403,
-              "already_exists": 409, "unavailable": 502, "deadline_exceeded": 504}.get(exc.code, 500)
-    return JSONResponse({"code": status, "message": str(exc)}, status_code=status)
+              "already_exists": 409, "resource_exhausted": 429, "unavailable": 502,
+              "deadline_exceeded": 504}.get(exc.code, 500)
+    headers = {**getattr(exc, "headers", {}), **(HANG_UP if unread else {})}
+    return JSONResponse({"code": status, "message": str(exc)}, status_code=status, headers=headers)
 
 
 @router.get("/files")
 async def download(request: Request, node: NodeDep) -> Response:
     try:
-        target = await _target(request, node)
+        target, team = await _target(request, node)
         path = request.query_params.get("path", "")
         if not path:
             raise ConnectError("invalid_argument", "path is required")
-        blocks = await run_in_threadpool(target.call, lambda a: a.read_file(path, user=target.user))
+        lease = _admit(request, team)
     except ConnectError as exc:
         return _files_error(exc)
-    return StreamingResponse(_guarded(blocks), media_type="application/octet-stream")
+    limits, handed = _limits(request), False
+    try:
+        blocks = await limits.run(target.call, lambda a: a.read_file(path, user=target.user))
+        handed = True
+        return LeasedStream(_guarded(blocks), limits=limits, lease=lease, media_type="application/octet-stream")
+    except ConnectError as exc:
+        return _files_error(exc)
+    finally:
+        if not handed:
+            lease.release()
 
 
 def _guarded(blocks: Iterator[bytes]) -> Iterator[bytes]:
@@ -257,42 +357,50 @@ def _guarded(blocks: Iterator[bytes]) -> Iterator[bytes]:
 
 @router.post("/files")
 async def upload(request: Request, node: NodeDep) -> Response:
+    """The token before any byte of the body; a refused or failed upload
+    closes the connection, so the rest of its body is never read."""
     try:
-        target = await _target(request, node)
-        kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        path = request.query_params.get("path", "")
-        if kind == "multipart/form-data":
-            written = await _upload_form(request, target, path)
-        else:
-            if not path:
-                raise ConnectError("invalid_argument", "path is required for an octet-stream upload")
-            written = [await _upload_stream(request, target, path)]
+        target, team = await _target(request, node)
+        with _admit(request, team):
+            written = await _upload(request, target, _limits(request))
     except ConnectError as exc:
-        return _files_error(exc)
+        return _files_error(exc, unread=True)
     return JSONResponse([{"name": e.name, "type": "file", "path": e.path} for e in written])
 
 
-async def _write(target: Target, path: str, chunks: AsyncIterator[bytes]) -> Any:
-    agent = await run_in_threadpool(target.agent_of)
+async def _upload(request: Request, target: Target, limits: Limits) -> list[Any]:
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    path = request.query_params.get("path", "")
+    if kind == "multipart/form-data":
+        return await _upload_form(request, target, path, limits)
+    if not path:
+        raise ConnectError("invalid_argument", "path is required for an octet-stream upload")
+    return [await _upload_stream(request, target, path, limits)]
+
+
+async def _write(target: Target, path: str, chunks: AsyncIterator[bytes], limits: Limits) -> Any:
+    """`chunks` into the guest's `path`, a block at a time; the agent calls
+    on long-work threads."""
+    agent = await limits.run(target.agent_of)
     try:
-        handle = await run_in_threadpool(agent.open_write, path, user=target.user)
+        handle = await limits.run(agent.open_write, path, user=target.user)
         try:
             pending = bytearray()
             async for chunk in chunks:
                 pending += chunk
                 if len(pending) >= UPLOAD_BLOCK:
-                    await run_in_threadpool(agent.write_block, handle, bytes(pending))
+                    await limits.run(agent.write_block, handle, bytes(pending))
                     pending.clear()
             if pending:
-                await run_in_threadpool(agent.write_block, handle, bytes(pending))
+                await limits.run(agent.write_block, handle, bytes(pending))
         finally:
-            entry = await run_in_threadpool(lambda: agent.close_write(handle))
+            entry = await limits.run(agent.close_write, handle)
         return entry
     except AgentError as exc:
         raise envd.connect_error(exc) from None
 
 
-async def _upload_stream(request: Request, target: Target, path: str) -> Any:
+async def _upload_stream(request: Request, target: Target, path: str, limits: Limits) -> Any:
     gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
 
     async def body() -> AsyncIterator[bytes]:
@@ -308,10 +416,10 @@ async def _upload_stream(request: Request, target: Target, path: str) -> Any:
         if inflate is not None:
             yield inflate.flush()
 
-    return await _write(target, path, body())
+    return await _write(target, path, body(), limits)
 
 
-async def _upload_form(request: Request, target: Target, path: str) -> list[Any]:
+async def _upload_form(request: Request, target: Target, path: str, limits: Limits) -> list[Any]:
     form = await request.form()
     files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
     if not files:
@@ -326,5 +434,5 @@ async def _upload_form(request: Request, target: Target, path: str) -> list[Any]
             while chunk := await upload.read(UPLOAD_BLOCK):
                 yield chunk
 
-        written.append(await _write(target, dest, body()))
+        written.append(await _write(target, dest, body(), limits))
     return written

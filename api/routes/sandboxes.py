@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Response
 
 from .. import models as m
-from ..deps import AUTH, CallerDep, NodeDep, vmm_timing
+from ..deps import AUTH, CallerDep, LimitsDep, NodeDep, vmm_timing
 from ..listing import metadata_query, states_query
 
 router = APIRouter(tags=["sandboxes"], dependencies=AUTH)
@@ -173,7 +173,10 @@ def fork(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
 
 
 @router.post("/sandboxes/{sandboxID}/exec", response_model=m.ExecResult,
-             summary="Strata: run a shell command in the sandbox through its agent")
-def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep, caller: CallerDep) -> m.ExecResult:
-    result = node.exec(caller, sandboxID, body.command, body.timeout)
+             summary="Strata: run a shell command in the sandbox through its agent (a long request: "
+                     "429 past team_max_streams or max_streams)")
+async def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep, caller: CallerDep,
+                       limits: LimitsDep) -> m.ExecResult:
+    # long work: on the long requests' threads, as one of the caller's team (api/limits.py)
+    result = await limits.serve(caller.team, node.exec, caller, sandboxID, body.command, body.timeout)
     return m.ExecResult(exitCode=result.exit_code, output=result.output, truncated=result.dropped > 0)
