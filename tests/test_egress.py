@@ -15,6 +15,7 @@ import pytest
 from layerstore.config import NodeConfig
 from layerstore.errors import InvalidInput
 from vmm.egress import DEFAULT_BLOCKED, Egress, blocked_ranges, ruleset
+from vmm.network import Network, own_addresses
 
 
 def test_rules_are_normalised_and_classified() -> None:
@@ -161,3 +162,16 @@ def test_a_sandboxs_dns_packets_are_rate_limited() -> None:
     if shutil.which("nft") and os.geteuid() == 0:
         result = subprocess.run(["nft", "-c", "-f", "-"], input=script, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
+
+
+def test_a_networks_blocked_set_has_the_nodes_own_addresses_and_its_endpoints(tmp_path: Path) -> None:
+    """The node's own addresses (whatever they are, public ones too) and the
+    addresses its store's endpoint resolves to are blocked, with no private
+    range to cover them; what the operator opens is carved out; the pool stays."""
+    network = Network(tmp_path / "a", blocked=(), endpoints=("http://198.51.100.10:8333", "", "localhost:9"))
+    for address in [*own_addresses(), "198.51.100.10", "10.201.3.2"]:
+        assert _covered(network.blocked, address), address
+    assert not _covered(network.blocked, "198.51.100.11")
+    opened = Network(tmp_path / "b", endpoints=("198.51.100.10",), opened=("198.51.100.10/32", "10.0.0.0/8"))
+    assert not _covered(opened.blocked, "198.51.100.10") and not _covered(opened.blocked, "10.1.2.3")
+    assert _covered(opened.blocked, "10.201.3.2") and _covered(opened.blocked, "192.168.1.1")

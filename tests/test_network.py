@@ -106,6 +106,8 @@ def test_sandbox_networks(guest: Path, tmp_path: Path) -> None:
                           prefix=("nsenter", f"--net=/run/netns/{lab.nodes['node']}", "--"),
                           STRATA_NETWORK_ENABLED="true", STRATA_NETWORK_POOL="10.201.0.0/29",
                           STRATA_DOMAIN="sandboxes.test", STRATA_NETWORK_MAX_CONNECTIONS="8",
+                          # the web hosts are in 10/8, blocked by default: opened, the node (.11) and hub are not
+                          STRATA_NETWORK_OPEN=f"{web1}/31",
                           STRATA_NETWORK_HOSTS=f"web1.test={web1},web2.test={web2},api.web1.test={web1}",
                           STRATA_NETWORK_UPSTREAM_DNS=lab.addrs["hub"])  # nothing answers there
         node.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")

@@ -127,10 +127,18 @@ class DomainGate:
                 continue
             except OSError:
                 return
-            if not self._take(peer[0]):
-                conn.close()  # over a cap: refused, not queued
+            if not self._from_pool(peer[0]) or not self._take(peer[0]):
+                conn.close()  # not a sandbox, or over a cap: refused, not queued, no thread
                 continue
             threading.Thread(target=self._serve, args=(conn, peer[0]), daemon=True).start()
+
+    def _from_pool(self, source: str) -> bool:
+        """Sandboxes come from the pool (their namespace's address); anyone
+        else reaching this port is closed before it costs a thread or a slot."""
+        try:
+            return ipaddress.ip_address(source) in self.network.pool
+        except ValueError:
+            return False
 
     def _take(self, source: str) -> bool:
         """A connection slot for `source`, if it and the node are under their caps."""

@@ -26,6 +26,7 @@ One guest must not deny DNS to the others, so what it can hold is bounded:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import socket
@@ -110,9 +111,12 @@ class Resolver:
         self._tcp.close()
 
     # admission ------------------------------------------------------------------------
-    def _submit(self, source: str, job: Callable[[], None]) -> bool:
-        """Queue `job` for `source` unless that source already holds its share
-        or the queue is full (False: the caller drops the query)."""
+    def _submit(self, address: str, job: Callable[[], None]) -> bool:
+        """Queue `job` for the sandbox at `address` unless it already holds its
+        share or the queue is full (False: the caller drops the query).
+        Every address outside the pool (no sandbox, refused anyway) shares one
+        share, so spoofed sources cannot fill the queue."""
+        source = address if _within(address, self.network.pool) else "outside"
         with self._lock:
             if self._held.get(source, 0) >= self.per_sandbox:
                 return False
@@ -135,7 +139,7 @@ class Resolver:
     def _work(self) -> None:
         while not self._stopped.is_set():
             try:
-                source, job = self._jobs.get(timeout=0.5)
+                source, job = self._jobs.get(timeout=0.5)  # `source` as _submit counted it
             except queue.Empty:
                 continue
             try:
@@ -256,6 +260,13 @@ class Resolver:
             except (dns.exception.DNSException, OSError) as exc:
                 last = exc
         raise dns.exception.Timeout() if last is None else last
+
+
+def _within(address: str, pool: ipaddress.IPv4Network) -> bool:
+    try:
+        return ipaddress.ip_address(address) in pool
+    except ValueError:
+        return False
 
 
 def _addresses(response: dns.message.Message) -> tuple[list[str], int]:
