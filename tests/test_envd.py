@@ -605,8 +605,9 @@ def push_body(port: int, head: bytes, *, at_most: int = SEND_AT_MOST) -> tuple[b
     return got, sent
 
 
-def _head(path: str, headers: dict[str, str | bytes], *, length: int = HUGE) -> bytes:
-    lines = [f"POST {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", f"Content-Length: {length}".encode()]
+def post_head(path: str, headers: dict[str, str | bytes], *, length: int = HUGE, method: str = "POST") -> bytes:
+    """A request line and headers as they are, declaring a body of `length` bytes."""
+    lines = [f"{method} {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", f"Content-Length: {length}".encode()]
     lines += [k.encode() + b": " + (v if isinstance(v, bytes) else v.encode()) for k, v in headers.items()]
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
@@ -621,7 +622,7 @@ def test_an_anonymous_huge_body_is_refused_before_it_is_read(server: NodeServer,
     grow with what was sent."""
     assert server.proc is not None
     before = rss(server.proc.pid)
-    head = _head(path, {"E2b-Sandbox-Id": quiet["sandboxID"], "Content-Type": kind})
+    head = post_head(path, {"E2b-Sandbox-Id": quiet["sandboxID"], "Content-Type": kind})
     got, sent = push_body(server.port, head)
     assert got.startswith(b"HTTP/1.1 401") or b'"unauthenticated"' in got, got[:300]
     assert sent < SEND_AT_MOST, f"the node read {sent >> 20} MiB of an anonymous body and said nothing"
@@ -634,7 +635,7 @@ def test_a_body_over_the_message_limit_is_413_before_it_is_read(server: NodeServ
     limit (413), never buffered whole."""
     good = {"E2b-Sandbox-Id": quiet["sandboxID"], "X-Access-Token": quiet["envdAccessToken"],
             "Content-Type": "application/json"}
-    got, sent = push_body(server.port, _head("/filesystem.Filesystem/Stat", good))
+    got, sent = push_body(server.port, post_head("/filesystem.Filesystem/Stat", good))
     assert got.startswith(b"HTTP/1.1 413"), got[:300]
     assert sent < SEND_AT_MOST
 
@@ -665,7 +666,7 @@ def test_a_non_ascii_token_is_401_never_500(server: NodeServer, quiet: dict, hea
                                  ("/process.Process/Start", "application/connect+json",
                                   _envelope({"process": {"cmd": "/bin/true"}})),
                                  ("/files?path=/root/x", "application/octet-stream", b"data")):
-            head = _head(path, {"E2b-Sandbox-Id": quiet["sandboxID"], "Content-Type": kind, header: raw_value,
+            head = post_head(path, {"E2b-Sandbox-Id": quiet["sandboxID"], "Content-Type": kind, header: raw_value,
                                 "Connection": "close"}, length=len(body))
             with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
                 s.sendall(head + body)
