@@ -18,7 +18,9 @@ Past either, a request is refused at once, 429 naming the limit (it never
 waits for a thread, and never takes one of the short requests', which keep
 anyio's default limiter, api/app.py). An admitted request holds a `Lease`
 until it ends, however it ends; the long limiter has a thread for every
-lease, so admitted work never waits for one either.
+lease, so admitted work never waits for one either. A call that ends long
+work (a signal, closing stdin) may go ENDING_GRACE places past either
+limit, so a team at its limit can still wind its work down.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .exceptions import Capacity
 from .teams import Caller, check_quota
 
 T = TypeVar("T")
+ENDING_GRACE = 16  # places past the limits that calls ending long work may take
 
 
 class StreamsFull(Capacity):
@@ -74,24 +77,31 @@ class Limits:
         self._config = config
         self._lock = threading.Lock()
         self._held: Counter[str] = Counter()
-        self._threads = anyio.CapacityLimiter(config.max_streams)
+        self._threads = anyio.CapacityLimiter(config.max_streams + ENDING_GRACE)
 
     def held(self, team: str | None = None) -> int:
         """Long requests admitted and not yet ended: the team's, or all."""
         with self._lock:
             return self._held[team] if team is not None else sum(self._held.values())
 
-    def admit(self, team: str) -> Lease:
+    def admit(self, team: str, *, ending: bool = False) -> Lease:
         """A place for one long request of `team`, or QuotaExceeded
-        (team_max_streams) / StreamsFull (max_streams) at once."""
+        (team_max_streams) / StreamsFull (max_streams) at once. `ending`:
+        the request ends long work, and may take ENDING_GRACE more."""
+        grace = ENDING_GRACE if ending else 0
         with self._lock:
-            check_quota(self._config, Caller(team), setting="team_max_streams", used=self._held[team], adding=1)
+            held, limit = self._held[team], self._team_limit(team)
+            if limit is not None and held >= limit + grace:  # raises, naming the quota
+                check_quota(self._config, Caller(team), setting="team_max_streams", used=held, adding=1)
             total = sum(self._held.values())
-            if total >= self._config.max_streams:
+            if total >= self._config.max_streams + grace:
                 raise StreamsFull(f"this node serves {total} long requests (execs, streams, watchers); the limit "
                                   f"is max_streams {self._config.max_streams}: try again when one has ended")
             self._held[team] += 1
         return Lease(partial(self._give_back, team))
+
+    def _team_limit(self, team: str) -> int | None:
+        return self._config.team_limit(self._config.team_max_streams, team)
 
     def _give_back(self, team: str) -> None:
         with self._lock:

@@ -38,7 +38,7 @@ def node(tmp_path_factory: pytest.TempPathFactory, guest: Path) -> Iterator[Node
     srv = NodeServer(tmp_path_factory.mktemp("teams"), guest, STRATA_API_KEYS=f"alpha:{ALPHA},beta:{BETA},gamma:{GAMMA},delta:{DELTA}",
                      STRATA_ADMIN_KEYS=f"ops:{ADMIN_KEY}", STRATA_TEAM_MAX_SANDBOXES="alpha=1",
                      STRATA_TEAM_MAX_SNAPSHOTS="alpha=1", STRATA_TEAM_MAX_STORED="beta=64M",
-                     STRATA_TEAM_MAX_STREAMS="gamma=600")
+                     STRATA_TEAM_MAX_STREAMS="gamma=600,alpha=3")
     srv.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")  # the CLI's: team default
     srv.start()
     yield srv
@@ -310,3 +310,40 @@ def test_a_teams_600_long_requests_leave_other_teams_answered(node: NodeServer) 
         for box in boxes:  # a node that is stuck does not answer this either: the failure above is the one to see
             with contextlib.suppress(httpx.HTTPError):
                 gamma.delete(f"/sandboxes/{box['sandboxID']}", timeout=30)
+
+
+def test_polling_watchers_hold_their_teams_places_until_removed(node: NodeServer,
+                                                                 alpha_sandbox: dict[str, str]) -> None:
+    """A polling watcher (envd's CreateWatcher) holds a thread and a guest
+    stream until it is removed, so it holds one of its team's places among
+    long requests (alpha has 3) until then: a 4th watcher and an exec are
+    429 naming team_max_streams; removing one gives its place back; a
+    stream that has ended holds none; polling and removing a watcher, and
+    signalling a process, are answered at the limit too."""
+    data_plane = httpx.Client(base_url=node.url, timeout=60,
+                              headers={"E2b-Sandbox-Id": alpha_sandbox["sid"], "X-API-Key": ALPHA})
+    a = client(node, ALPHA)
+    ended = data_plane.post("/process.Process/Start", content=envelope({"process": {"cmd": "/bin/true"}}),
+                            headers={"Content-Type": "application/connect+json"})
+    assert b'"end"' in ended.content, ended.content[:300]
+    watchers = []
+    for _ in range(3):
+        r = data_plane.post("/filesystem.Filesystem/CreateWatcher", json={"path": "/tmp"})
+        assert r.status_code == 200, r.text
+        watchers.append(r.json()["watcherId"])
+    r = data_plane.post("/filesystem.Filesystem/CreateWatcher", json={"path": "/tmp"})
+    assert r.status_code == 429 and r.json()["code"] == "resource_exhausted", r.text
+    assert "team alpha is over its quota team_max_streams" in r.json()["message"]
+    assert r.headers["X-Strata-Limit"] == "team"
+    r = a.post(f"/sandboxes/{alpha_sandbox['sid']}/exec", json={"command": "true"})
+    assert r.status_code == 429 and "team_max_streams" in r.json()["message"], r.text
+    r = data_plane.post("/process.Process/SendSignal", json={"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"})
+    assert r.status_code == 404 and r.json()["code"] == "not_found", r.text  # asked the guest: no such process
+    assert a.get("/v2/sandboxes").status_code == 200  # short requests are not long ones
+    r = data_plane.post("/filesystem.Filesystem/GetWatcherEvents", json={"watcherId": watchers[0]})
+    assert r.status_code == 200, r.text  # polling and removing are short: a team at its limit can wind down
+    assert data_plane.post("/filesystem.Filesystem/RemoveWatcher", json={"watcherId": watchers.pop()}
+                           ).status_code == 200
+    assert a.post(f"/sandboxes/{alpha_sandbox['sid']}/exec", json={"command": "echo again"}).json()["output"] == "again\n"
+    for wid in watchers:
+        assert data_plane.post("/filesystem.Filesystem/RemoveWatcher", json={"watcherId": wid}).status_code == 200

@@ -89,11 +89,11 @@ async def _target(request: Request, node: Any) -> tuple[Target, str]:
     return await run_in_threadpool(authorize)
 
 
-def _admit(request: Request, team: str) -> Lease:
+def _admit(request: Request, team: str, *, ending: bool = False) -> Lease:
     """A place for one long request of `team` (api/limits.py), or the
     Connect error that names the limit it is past."""
     try:
-        return _limits(request).admit(team)
+        return _limits(request).admit(team, ending=ending)
     except Capacity as exc:
         raise LimitReached(exc) from None
 
@@ -122,9 +122,14 @@ async def read_body(request: Request, *, limit: int) -> bytes:
 
 @dataclass(frozen=True)
 class Rpc:
+    """One Connect method. Most wait on the guest, so they are long requests
+    (api/limits.py); `ending` ones end long work and may go a little past
+    the limits, so a team at its limit can still wind down; `short` ones do
+    not wait on the guest and take no place."""
     fn: Callable[..., Any]  # (node, target, message, headers) -> a response message, or an iterator of them
     streaming: bool = False
     keeps: bool = False  # what the call makes (a polling watcher) keeps its lease: fn gets it as `lease=`
+    kind: str = "long"  # or "ending", "short"
 
 
 class LimitReached(ConnectError):
@@ -215,8 +220,8 @@ PROCESS = {
     "Connect": Rpc(_connect, streaming=True),
     "List": Rpc(lambda n, t, m, h: {"processes": [envd.process_info(p) for p in t.call(lambda a: a.processes())]}),
     "SendInput": Rpc(_input),
-    "SendSignal": Rpc(_signal),
-    "CloseStdin": Rpc(lambda n, t, m, h: (t.call(lambda a: a.close_stdin(t.pid_of(m))), {})[1]),
+    "SendSignal": Rpc(_signal, kind="ending"),
+    "CloseStdin": Rpc(lambda n, t, m, h: (t.call(lambda a: a.close_stdin(t.pid_of(m))), {})[1], kind="ending"),
     "Update": Rpc(_update),
 }
 FILESYSTEM = {
@@ -230,8 +235,10 @@ FILESYSTEM = {
     "WatchDir": Rpc(_watch, streaming=True),
     "CreateWatcher": Rpc(lambda n, t, m, h, lease: {"watcherId": n.watchers.create(
         t, path_of(m), bool(m.get("recursive")), release=lease.release)}, keeps=True),
-    "GetWatcherEvents": Rpc(lambda n, t, m, h: {"events": n.watchers.poll(t.sid, str(m.get("watcherId", "")))}),
-    "RemoveWatcher": Rpc(lambda n, t, m, h: (n.watchers.remove(t.sid, str(m.get("watcherId", ""))), {})[1]),
+    "GetWatcherEvents": Rpc(lambda n, t, m, h: {"events": n.watchers.poll(t.sid, str(m.get("watcherId", "")))},
+                            kind="short"),
+    "RemoveWatcher": Rpc(lambda n, t, m, h: (n.watchers.remove(t.sid, str(m.get("watcherId", ""))), {})[1],
+                         kind="short"),
 }
 
 
@@ -261,7 +268,9 @@ async def _rpc(request: Request, node: Any, table: dict[str, Rpc], method: str) 
         return _refused(exc, streaming, unread=True)
     try:
         message = request_message(request.headers.get("content-type", ""), body)
-        lease = _admit(request, team)
+        if rpc.kind == "short":
+            return JSONResponse(await run_in_threadpool(rpc.fn, node, target, message, request.headers))
+        lease = _admit(request, team, ending=rpc.kind == "ending")
     except ConnectError as exc:
         return _refused(exc, streaming)
     return await _call(request, node, rpc, (target, message), lease, streaming)
