@@ -173,8 +173,7 @@ def fork(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
 
 
 @router.post("/sandboxes/{sandboxID}/exec", response_model=m.ExecResult,
-             summary="Strata: run a shell command in the sandbox through its agent (a long request: "
-                     "429 past team_max_streams or max_streams)")
+             summary="Strata: run a shell command in the sandbox through its agent")
 async def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep, caller: CallerDep,
                        limits: LimitsDep) -> m.ExecResult:
     # long work: on the long requests' threads, as one of the caller's team (api/limits.py)
