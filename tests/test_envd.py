@@ -6,6 +6,7 @@ malformed Connect bodies, path tricks)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -677,3 +678,19 @@ def test_a_non_ascii_token_is_401_never_500(server: NodeServer, quiet: dict, hea
         r = httpx.get(f"{server.url}/files", params={"path": "/etc/hostname"},
                       headers={"E2b-Sandbox-Id": quiet["sandboxID"], header: value.encode()})
         assert r.status_code == 401, r.text
+
+
+@pytest.mark.parametrize("value", NON_ASCII)
+def test_a_non_ascii_user_is_400_and_only_after_the_token(server: NodeServer, quiet: dict, value: str) -> None:
+    """`Authorization: Basic` (the SDK's user) that is not ASCII, or base64
+    of bytes that are no user name: without the token 401 (the token is
+    checked first), with it 400 (a malformed header, or a user the guest
+    does not have); never a 500."""
+    for raw in (b"Basic " + value.encode(), b"Basic " + base64.b64encode(value.encode("latin-1", "replace")),
+                b"Basic " + base64.b64encode(b"\xff\xfe:")):
+        headers = {"E2b-Sandbox-Id": quiet["sandboxID"], "Authorization": raw}
+        r = httpx.post(f"{server.url}/filesystem.Filesystem/Stat", json={"path": "/root"}, headers=headers)
+        assert r.status_code == 401, r.text
+        r = httpx.post(f"{server.url}/filesystem.Filesystem/Stat", json={"path": "/root"},
+                       headers={**headers, "X-Access-Token": quiet["envdAccessToken"]})
+        assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text

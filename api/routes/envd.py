@@ -11,7 +11,6 @@ envd.yaml.
 from __future__ import annotations
 
 import base64
-import binascii
 import logging
 import re
 import time
@@ -60,9 +59,9 @@ def _user(request: Request) -> str:
     user = request.query_params.get("username", "")
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("basic "):
-        try:
+        try:  # ValueError: not ASCII (binascii.Error, a ValueError: not base64)
             user = base64.b64decode(auth[6:].strip(), validate=True).decode().split(":", 1)[0]
-        except (binascii.Error, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError):
             raise ConnectError("invalid_argument", "malformed Authorization header") from None
     return user
 
@@ -83,7 +82,8 @@ async def _target(request: Request, node: Any) -> tuple[Target, str]:
     issues is no token."""
     def authorize() -> tuple[Target, str]:
         target = node.data_plane(sandbox_of(request), token=issued_form(request.headers.get("x-access-token")),
-                                 key=request.headers.get("x-api-key"), user=_user(request))
+                                 key=request.headers.get("x-api-key"), user="")
+        target.user = _user(request) or target.user  # the sandbox's default user unless named; after the token
         return target, node.record(target.sid).team or DEFAULT_TEAM
 
     return await run_in_threadpool(authorize)
