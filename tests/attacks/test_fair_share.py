@@ -126,6 +126,9 @@ def attempt(lab: Lab, where: str, value: bytes, *, private_sid: str, upload: Cal
     if where == "upload-token":
         query = f"team=beta&expires=99999999999&token={quote(value, safe='')}"
         return ask(lab, post_head(f"{upload()}?{query}", {"Connection": b"close"}, length=4, method="PUT") + b"tar!")
+    if where in ("basic-user", "sandbox-id"):  # no token: who and which sandbox, named in bytes that are not ASCII
+        named = {"Authorization": b"Basic " + value} if where == "basic-user" else {"E2b-Sandbox-Id": value}
+        return ask(lab, post_head(path, {**data_plane, **named}, length=len(body)) + body)
     if where == "access-token-stream":
         path, body = "/process.Process/Start", envelope({"process": {"cmd": "/bin/true"}})
         data_plane["Content-Type"] = b"application/connect+json"
@@ -138,15 +141,17 @@ def attempt(lab: Lab, where: str, value: bytes, *, private_sid: str, upload: Cal
 
 @pytest.mark.parametrize("raw", sorted(NON_ASCII))
 @pytest.mark.parametrize("where", ["api-key", "api-key-on-data-plane", "access-token", "access-token-stream",
-                                   "access-token-files", "traffic-token", "upload-token"])
+                                   "access-token-files", "traffic-token", "upload-token", "basic-user",
+                                   "sandbox-id"])
 def test_a_non_ascii_credential_is_refused_never_500(lab: Lab, beta_box: dict, where: str, raw: str,
                                                      request: pytest.FixtureRequest) -> None:
     """attacker: anyone.  target: every comparison of a credential.
     attempt: a key or token that is not ASCII (UTF-8, Latin-1 bytes, a real
     key with a byte more) in X-API-Key (API and data plane), X-Access-Token
-    (unary, stream, /files), e2b-traffic-access-token (a private port) and
-    an upload link's `token`.  must: 401, 403 or 404 (a stream: its end
-    message says unauthenticated), never a 5xx."""
+    (unary, stream, /files), e2b-traffic-access-token (a private port), an
+    upload link's `token`, and beside no token the user (Authorization:
+    Basic) or the sandbox (E2b-Sandbox-Id).  must: 401, 403 or 404 (a
+    stream: its end message says unauthenticated), never a 5xx."""
     reply = attempt(lab, where, NON_ASCII[raw], private_sid=beta_box["sandboxID"],
                     upload=lambda: request.getfixturevalue("upload_path"))
     streamed = where == "access-token-stream" and status_of(reply) == 200 and b'"unauthenticated"' in reply
