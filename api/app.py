@@ -14,6 +14,7 @@ built without one to write its OpenAPI document (`python -m api.openapi`).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ from fastapi.routing import APIRoute
 
 from . import errors
 from .deps import KEY_HEADER
-from .limits import Limits
+from .limits import SHORT_THREADS, Limits
 from .node import Node
 from .ports import PortProxy
 from .proxy import OriginForm
@@ -36,7 +37,7 @@ from .teams import caller_of
 TITLE = "Strata node API"
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # metric labels; others: "other"
 OPEN = frozenset({("GET", "/health"), ("HEAD", "/health")})  # what answers without a key
-SHORT_THREADS = 512  # worker threads of short requests (list, create, info...)
+EXEC = re.compile(r"/sandboxes/[^/]+/exec")  # the one keyed route that is long work (api/limits.py)
 DESCRIPTION = "E2B-compatible sandbox lifecycle plus Strata's images, snapshots, templates and cache."
 
 
@@ -46,7 +47,7 @@ async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
     # seconds; with anyio's default 40 worker threads the 41st concurrent
     # client would wait for a thread, not for its VM. Long work (execs, the
     # data plane) never takes one of these: it has its own (api/limits.py).
-    anyio.to_thread.current_default_thread_limiter().total_tokens = SHORT_THREADS
+    anyio.to_thread.current_default_thread_limiter().total_tokens = SHORT_THREADS  # each team a share of them
     yield
 
 
@@ -66,13 +67,18 @@ async def _key_first(request: Request, call_next: Callable[[Request], Awaitable[
     """Refuse a request without a valid key before anything reads its body:
     an anonymous client gets 401, never a parse error, and cannot make the
     node buffer what it sends. (The routes' own dependencies check again,
-    and tell admin keys apart.)"""
+    and tell admin keys apart.) A keyed request that is not long work runs
+    in one of its team's places among short requests (api/limits.py)."""
     path = request.url.path
-    if (request.method, path) not in OPEN and not is_data_plane(path) and not is_upload(request.method, path):
-        given = request.headers.get(KEY_HEADER.model.name)
-        if caller_of(given, request.app.state.node.config) is None:  # and hang up: the body is never read
-            return errors.error_response(401, "missing or invalid X-API-Key", {"Connection": "close"})
-    return await call_next(request)
+    if (request.method, path) in OPEN or is_data_plane(path) or is_upload(request.method, path):
+        return await call_next(request)
+    caller = caller_of(request.headers.get(KEY_HEADER.model.name), request.app.state.node.config)
+    if caller is None:  # and hang up: the body is never read
+        return errors.error_response(401, "missing or invalid X-API-Key", {"Connection": "close"})
+    if request.method == "POST" and EXEC.fullmatch(path):  # long work: admitted by its own limits
+        return await call_next(request)
+    async with request.app.state.limits.short(caller.team):
+        return await call_next(request)
 
 
 def create_app(node: Node | None = None) -> FastAPI:

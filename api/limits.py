@@ -21,6 +21,11 @@ until it ends, however it ends; the long limiter has a thread for every
 lease, so admitted work never waits for one either. A call that ends long
 work (a signal, closing stdin) may go ENDING_GRACE places past either
 limit, so a team at its limit can still wind its work down.
+
+Short requests can be slow too (a hung guest's metrics, a lock another
+request holds, a large upload), so a team has at most SHORT_SHARE of them
+in flight; more wait, without a thread, for one of its own to end. However
+many a team sends, the others' are answered.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -43,6 +49,8 @@ from .teams import Caller, check_quota
 
 T = TypeVar("T")
 ENDING_GRACE = 16  # places past the limits that calls ending long work may take
+SHORT_THREADS = 512  # worker threads of short requests (anyio's default limiter, set at start)
+SHORT_SHARE = SHORT_THREADS // 4  # short requests of one team in flight at once
 
 
 class StreamsFull(Capacity):
@@ -78,6 +86,7 @@ class Limits:
         self._lock = threading.Lock()
         self._held: Counter[str] = Counter()
         self._threads = anyio.CapacityLimiter(config.max_streams + ENDING_GRACE)
+        self._short: dict[str, anyio.Semaphore] = {}  # per team, made as teams appear (one per key's team)
 
     def held(self, team: str | None = None) -> int:
         """Long requests admitted and not yet ended: the team's, or all."""
@@ -108,6 +117,14 @@ class Limits:
             self._held[team] -= 1
             if self._held[team] <= 0:
                 del self._held[team]
+
+    @asynccontextmanager
+    async def short(self, team: str) -> AsyncIterator[None]:
+        """One of `team`'s SHORT_SHARE places among short requests in flight,
+        waited for (in the event loop, holding no thread) if they are taken."""
+        share = self._short.setdefault(team, anyio.Semaphore(SHORT_SHARE))  # the event loop's thread only
+        async with share:
+            yield
 
     async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on a thread of the long limiter."""

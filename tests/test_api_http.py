@@ -157,6 +157,13 @@ class Blocking(StandIn):
         return SimpleNamespace(exit_code=0, output=f"{command} in {sid}\n", dropped=0)
 
 
+    def metrics_of(self, caller: object, sid: str) -> tuple:
+        """A guest that does not answer, for as long as `release` is unset (its agent would give up after 30 s)."""
+        self.running += 1
+        self.release.wait(60)
+        raise NotFound(f"sandbox {sid} not found")
+
+
 ALPHA, BETA = "alpha-key-0001", "beta-key-0001"
 
 
@@ -209,6 +216,30 @@ async def work_with_timeout(node: StandIn, work: Callable[[httpx.AsyncClient], A
         await asyncio.wait_for(_serve(node, work), 120)
     finally:
         node.release.set()  # type: ignore[attr-defined]
+
+
+def test_a_team_cannot_take_every_thread_with_slow_short_requests() -> None:
+    """Any request can wait on a guest (metrics of a hung one) or a lock for
+    a while: team beta's 600 of them at once take at most its share of the
+    short requests' threads; the rest wait without one, and team alpha's
+    list and create are answered meanwhile. Beta's all end once the guest does."""
+    node = Blocking()
+
+    async def work(client: httpx.AsyncClient) -> None:
+        beta = {"X-API-Key": BETA}
+        slow = [asyncio.create_task(client.get("/sandboxes/sb1/metrics", headers=beta)) for _ in range(600)]
+        await _until(lambda: node.running >= 128)
+        await asyncio.sleep(0.5)  # room for more to start, if they could
+        assert node.running == 128  # beta's share (api/limits.py SHORT_SHARE)
+        r = await asyncio.wait_for(client.get("/v2/sandboxes", headers={"X-API-Key": ALPHA}), 10)
+        assert r.status_code == 200, r.text
+        r = await asyncio.wait_for(client.post("/sandboxes", json={"templateID": "base"},
+                                               headers={"X-API-Key": ALPHA}), 10)
+        assert r.status_code == 201, r.text
+        node.release.set()
+        assert {(await t).status_code for t in slow} == {404}
+
+    asyncio.run(work_with_timeout(node, work))
 
 
 def test_a_team_past_its_long_request_limit_is_429_naming_it() -> None:
