@@ -7,6 +7,9 @@ exec. Every route except /health and envd's data plane (which takes a
 sandbox's access token, api/routes/envd.py) needs `X-API-Key`; /admin/*
 needs an admin key. Routes are in api/routes/ (one router per resource), authentication
 and the node dependency in api/deps.py, the error mapping in api/errors.py.
+Worker threads are shared fairly (api/limits.py): long work (exec, the data
+plane) has threads of its own, admitted per team and node, and a team has
+at most a share of the short requests' threads.
 
 The node is the app's state, not captured by the routes, so the app can be
 built without one to write its OpenAPI document (`python -m api.openapi`).
