@@ -19,8 +19,8 @@ waits for a thread, and never takes one of the short requests', which keep
 anyio's default limiter, api/app.py). An admitted request holds a `Lease`
 until it ends, however it ends; the long limiter has a thread for every
 lease, so admitted work never waits for one either. A call that ends long
-work (a signal, closing stdin) may go ENDING_GRACE places past either
-limit, so a team at its limit can still wind its work down.
+work (a signal, closing stdin, removing a watcher) may go ENDING_GRACE
+places past either limit, so a team at its limit can still wind down.
 
 Short requests can be slow too (a hung guest's metrics, a lock another
 request holds, a large upload), so a team has at most SHORT_SHARE of them
@@ -87,11 +87,6 @@ class Limits:
         self._held: Counter[str] = Counter()
         self._threads = anyio.CapacityLimiter(config.max_streams + ENDING_GRACE)
         self._short: dict[str, anyio.Semaphore] = {}  # per team, made as teams appear (one per key's team)
-
-    def held(self, team: str | None = None) -> int:
-        """Long requests admitted and not yet ended: the team's, or all."""
-        with self._lock:
-            return self._held[team] if team is not None else sum(self._held.values())
 
     def admit(self, team: str, *, ending: bool = False) -> Lease:
         """A place for one long request of `team`, or QuotaExceeded

@@ -238,7 +238,7 @@ FILESYSTEM = {
     "GetWatcherEvents": Rpc(lambda n, t, m, h: {"events": n.watchers.poll(t.sid, str(m.get("watcherId", "")))},
                             kind="short"),
     "RemoveWatcher": Rpc(lambda n, t, m, h: (n.watchers.remove(t.sid, str(m.get("watcherId", ""))), {})[1],
-                         kind="short"),
+                         kind="ending"),  # it tells the guest: a guest that stops reading holds it up to 30 s
 }
 
 
