@@ -31,7 +31,6 @@ many a team sends, the others' are answered.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -43,6 +42,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from layerstore.config import NodeConfig
+from vmm.shares import Shares
 
 from .exceptions import Capacity
 from .teams import Caller, check_quota
@@ -83,8 +83,7 @@ class Limits:
 
     def __init__(self, config: NodeConfig) -> None:
         self._config = config
-        self._lock = threading.Lock()
-        self._held: Counter[str] = Counter()
+        self._shares = Shares()  # team -> its long requests in flight
         self._threads = anyio.CapacityLimiter(config.max_streams + ENDING_GRACE)
         self._short: dict[str, anyio.Semaphore] = {}  # per team, made as teams appear (one per key's team)
 
@@ -93,25 +92,19 @@ class Limits:
         (team_max_streams) / StreamsFull (max_streams) at once. `ending`:
         the request ends long work, and may take ENDING_GRACE more."""
         grace = ENDING_GRACE if ending else 0
-        with self._lock:
-            held, limit = self._held[team], self._team_limit(team)
+        limit = self._team_limit(team)
+        refused = self._shares.take(team, each=None if limit is None else limit + grace,
+                                    total=self._config.max_streams + grace)
+        if refused is not None:
+            held, total = refused
             if limit is not None and held >= limit + grace:  # raises, naming the quota
                 check_quota(self._config, Caller(team), setting="team_max_streams", used=held, adding=1)
-            total = sum(self._held.values())
-            if total >= self._config.max_streams + grace:
-                raise StreamsFull(f"this node serves {total} long requests (execs, streams, watchers); the limit "
-                                  f"is max_streams {self._config.max_streams}: try again when one has ended")
-            self._held[team] += 1
-        return Lease(partial(self._give_back, team))
+            raise StreamsFull(f"this node serves {total} long requests (execs, streams, watchers); the limit "
+                              f"is max_streams {self._config.max_streams}: try again when one has ended")
+        return Lease(partial(self._shares.give, team))
 
     def _team_limit(self, team: str) -> int | None:
         return self._config.team_limit(self._config.team_max_streams, team)
-
-    def _give_back(self, team: str) -> None:
-        with self._lock:
-            self._held[team] -= 1
-            if self._held[team] <= 0:
-                del self._held[team]
 
     @asynccontextmanager
     async def short(self, team: str) -> AsyncIterator[None]:

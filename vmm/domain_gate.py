@@ -39,6 +39,7 @@ from collections.abc import Callable
 from layerstore.errors import StrataError
 
 from .network import Network
+from .shares import Shares
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ class DomainGate:
         self.max_connections, self.per_sandbox = max_connections, per_sandbox
         self.head_timeout, self.dial_timeout = head_timeout, dial_timeout
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._held: dict[str, int] = {}  # source address -> its open connections
-        self._lock = threading.Lock()
+        self._shares = Shares()  # source address -> its open connections
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -142,20 +142,7 @@ class DomainGate:
 
     def _take(self, source: str) -> bool:
         """A connection slot for `source`, if it and the node are under their caps."""
-        with self._lock:
-            held = self._held.get(source, 0)
-            if held >= self.per_sandbox or sum(self._held.values()) >= self.max_connections:
-                return False
-            self._held[source] = held + 1
-            return True
-
-    def _give(self, source: str) -> None:
-        with self._lock:
-            left = self._held.get(source, 0) - 1
-            if left > 0:
-                self._held[source] = left
-            else:
-                self._held.pop(source, None)
+        return self._shares.take(source, each=self.per_sandbox, total=self.max_connections) is None
 
     def _serve(self, conn: socket.socket, source: str) -> None:
         try:
@@ -177,7 +164,7 @@ class DomainGate:
         except OSError:  # a timeout included: the head's deadline passed
             pass
         finally:
-            self._give(source)
+            self._shares.give(source)
 
     def _read_name(self, conn: socket.socket) -> tuple[bytes, str | None, int]:
         """The head read so far, the name it asks for and its port, all by one deadline."""

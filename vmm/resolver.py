@@ -49,6 +49,7 @@ from layerstore.errors import StrataError
 
 from .egress import MIN_TTL
 from .network import Network
+from .shares import Shares
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,7 @@ class Resolver:
         self.tcp_timeout = tcp_timeout
         self.workers, self.per_sandbox = workers, per_sandbox
         self._jobs: queue.Queue[tuple[str, Callable[[], None]]] = queue.Queue(maxsize=max_queued)
-        self._held: dict[str, int] = {}  # source address -> its queries queued or being answered
-        self._lock = threading.Lock()
+        self._shares = Shares()  # source address -> its queries queued or being answered
         self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._stopped = threading.Event()
@@ -117,24 +117,14 @@ class Resolver:
         Every address outside the pool (no sandbox, refused anyway) shares one
         share, so spoofed sources cannot fill the queue."""
         source = address if _within(address, self.network.pool) else "outside"
-        with self._lock:
-            if self._held.get(source, 0) >= self.per_sandbox:
-                return False
-            self._held[source] = self._held.get(source, 0) + 1
+        if self._shares.take(source, each=self.per_sandbox) is not None:
+            return False
         try:
             self._jobs.put_nowait((source, job))
         except queue.Full:
-            self._release(source)
+            self._shares.give(source)
             return False
         return True
-
-    def _release(self, source: str) -> None:
-        with self._lock:
-            left = self._held.get(source, 0) - 1
-            if left > 0:
-                self._held[source] = left
-            else:
-                self._held.pop(source, None)
 
     def _work(self) -> None:
         while not self._stopped.is_set():
@@ -147,7 +137,7 @@ class Resolver:
             except Exception:  # noqa: BLE001 - one query's failure must not end a worker
                 log.exception("resolver: a query from %s failed", source)
             finally:
-                self._release(source)
+                self._shares.give(source)
 
     # transports -----------------------------------------------------------------------
     def _serve_udp(self) -> None:
