@@ -5,16 +5,15 @@ guests in tests/test_network.py."""
 from __future__ import annotations
 
 import json
-import select
 import socket
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import free_port
+from tests.sockets import closed_within, trickled_until_closed
 from vmm.domain_gate import MAX_CONNECTIONS, DomainGate, http_host, tls_server_name
 from vmm.egress import Egress
 from vmm.network import Network
@@ -100,43 +99,13 @@ def _connect(port: int, source: str) -> socket.socket:
     return conn
 
 
-def _readable(conn: socket.socket, seconds: float) -> bool:
-    """poll(2), not select(2): a test holding hundreds of sockets has descriptors past FD_SETSIZE."""
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
-    return bool(poller.poll(seconds * 1000))
-
-
-def _closed_within(conn: socket.socket, seconds: float) -> bool:
-    """Does the gate close `conn` within `seconds` (reading whatever it sends)?"""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if _readable(conn, 0.2):
-            try:
-                if not conn.recv(4096):
-                    return True
-            except OSError:
-                return True
-    return False
-
-
 def test_a_slow_loris_is_cut_off_by_one_deadline(gate: tuple[DomainGate, list[str]]) -> None:
     """Finding 9: a guest trickling its request head one byte at a time held
     a slot for as long as it liked (the timeout was per recv)."""
     g, asked = gate
     head = b"GET / HTTP/1.1\r\nHost: slow.test" + b"x" * 100
     with _connect(g.port, SANDBOX_A) as conn:
-        closed = False
-        for i in range(len(head)):  # at most ~25 s of trickling, never finishing the head
-            try:
-                conn.sendall(head[i:i + 1])
-            except OSError:
-                closed = True
-                break
-            if _closed_within(conn, 0.25):
-                closed = True
-                break
-        assert closed, "the gate kept a trickling connection open"
+        assert trickled_until_closed(conn, head), "the gate kept a trickling connection open"  # at most ~25 s
     assert asked == []
 
 
@@ -149,10 +118,10 @@ def test_one_sandbox_cannot_take_every_slot(gate: tuple[DomainGate, list[str]]) 
         for _ in range(MAX_CONNECTIONS + 8):
             flood.append(_connect(g.port, SANDBOX_A))
         # the last of the flood is over any cap: once it is closed, the gate has seen all of them
-        assert _closed_within(flood[-1], 10)
+        assert closed_within(flood[-1], 10)
         with _connect(g.port, SANDBOX_B) as victim:
             victim.sendall(b"GET / HTTP/1.1\r\nHost: victim.test\r\n\r\n")
-            assert _closed_within(victim, 10)  # lookup answered nothing to dial
+            assert closed_within(victim, 10)  # lookup answered nothing to dial
         assert "victim.test" in asked, "another sandbox's request never reached the gate's lookup"
     finally:
         for conn in flood:

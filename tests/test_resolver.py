@@ -24,6 +24,7 @@ import dns.rrset
 import pytest
 
 from tests.conftest import free_port
+from tests.sockets import trickled_until_closed
 from vmm.egress import Egress
 from vmm.network import Link, Network
 from vmm.resolver import Resolver
@@ -177,13 +178,6 @@ def flood(port: int, source: str, count: int, name: str = "flood.test") -> socke
     return sock
 
 
-def _readable(conn: socket.socket, seconds: float) -> bool:
-    """poll(2), not select(2): a test holding hundreds of sockets has descriptors past FD_SETSIZE."""
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
-    return bool(poller.poll(seconds * 1000))
-
-
 def ask_as_a_stub(port: int, name: str, source: str, *, tries: int = 3) -> list[str] | None:
     """The addresses of `name`, asking again after 3 s without an answer, as a
     guest's stub resolver does (a flood on loopback can fill the socket's
@@ -263,21 +257,7 @@ def test_a_tcp_query_trickled_is_cut_off(setup: tuple[Recording, int]) -> None:
     _network, port = setup
     with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.201.0.2", 0)) as conn:
         conn.sendall(b"\x00\x60")  # 96 bytes to come; ~24 s of trickling, never finished
-        closed = False
-        for _ in range(95):
-            try:
-                conn.sendall(b"\x00")
-            except OSError:
-                closed = True
-                break
-            if _readable(conn, 0.25):
-                try:
-                    closed = not conn.recv(4096)
-                except OSError:
-                    closed = True
-                if closed:
-                    break
-        assert closed, "the resolver kept a trickling TCP query open"
+        assert trickled_until_closed(conn, b"\x00" * 95), "the resolver kept a trickling TCP query open"
     assert ask(port, "web.test").answer[0][0].address == "10.99.0.12"
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import select
 import shutil
 import socket
 import threading
@@ -36,6 +35,7 @@ import dns.rdatatype
 import pytest
 
 from tests.netns import Lab, ip
+from tests.sockets import trickled_until_closed
 from vmm.domain_gate import DomainGate
 from vmm.egress import GUEST, GUEST_GATEWAY, Egress
 from vmm.network import Link, Network
@@ -181,13 +181,6 @@ def reach(world: World, guest: Guest, address: str, *, port: int = 80, host: str
     return body or None
 
 
-def _readable(conn: socket.socket, seconds: float) -> bool:
-    """poll(2), not select(2): a test holding hundreds of sockets has descriptors past FD_SETSIZE."""
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
-    return bool(poller.poll(seconds * 1000))
-
-
 def resolve(world: World, guest: Guest, name: str, *, server: str = GUEST_GATEWAY) -> list[str] | None:
     """The guest's lookup of `name` (whatever server it names, the node's
     resolver answers), asked again after 3 s without an answer as a stub
@@ -330,19 +323,5 @@ def test_a_guest_trickling_its_request_is_cut_off_by_the_gate(world: World) -> N
     head = b"GET / HTTP/1.1\r\nHost: public.test" + b"x" * 100
     with world.lab.inside(guest.sid):
         conn = socket.create_connection((PUBLIC, 80), timeout=3)
-    closed = False
     with conn:
-        for i in range(len(head)):  # ~30 s at most
-            try:
-                conn.sendall(head[i:i + 1])
-            except OSError:
-                closed = True
-                break
-            if _readable(conn, 0.25):
-                try:
-                    closed = not conn.recv(4096)
-                except OSError:
-                    closed = True
-                if closed:
-                    break
-    assert closed, "the gate kept a trickling connection open"
+        assert trickled_until_closed(conn, head), "the gate kept a trickling connection open"  # ~30 s at most
