@@ -53,7 +53,7 @@ from layerstore.templates import check_template_name, new_template
 from vmm.agent import Agent, Exit, output_events
 from vmm.registry import new_sid
 
-from .teams import Caller
+from .teams import Caller, same_secret
 
 if TYPE_CHECKING:
     from .node import Node, Source
@@ -135,9 +135,8 @@ class Builds:
         """Where an upload link's tar goes, if the link is one this node signed
         and has not expired (NotFound otherwise, whatever is wrong with it)."""
         _check_hash(files_hash)
-        good = self._sign(team, name, files_hash, expires).encode()
-        if not (expires.isdigit() and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), good)
-                and int(expires) >= time.time()):
+        good = self._sign(team, name, files_hash, expires)
+        if not (expires.isdigit() and same_secret(token, good) and int(expires) >= time.time()):
             raise NotFound("no such upload (or its link expired: ask for a new one)")
         return self.upload_path(team, files_hash)
 

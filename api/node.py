@@ -21,7 +21,6 @@ HTTP layer (api/app.py, api/routes/) calls one of these per request.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import shutil
@@ -60,7 +59,7 @@ from .metrics import Metrics
 from .supervisor import MountSupervisor
 from .connect import ConnectError
 from .envd import Target, Watchers, new_token
-from .teams import ADMIN, Caller, caller_of, check_quota
+from .teams import ADMIN, Caller, caller_of, check_quota, same_secret
 from .uploads import reap as reap_uploads
 
 log = logging.getLogger("strata.api")
@@ -377,8 +376,7 @@ class Node:
         except NotFound:
             raise denied from None
         caller = caller_of(key, self.config) if key else None
-        if not ((token and record.access_token and hmac.compare_digest(token, record.access_token))
-                or (caller is not None and caller.sees(record.team))):
+        if not (same_secret(token, record.access_token) or (caller is not None and caller.sees(record.team))):
             raise denied
 
         def agent_of() -> Agent:
@@ -485,7 +483,7 @@ class Node:
             record = self.boxes.registry.load(sid)
         except NotFound:
             raise NotFound(f"sandbox {sid} not found") from None
-        if record.traffic_token and not hmac.compare_digest((token or "").encode(), record.traffic_token.encode()):
+        if record.traffic_token and not same_secret(token, record.traffic_token):
             raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it to reach its ports")

@@ -56,14 +56,6 @@ def same_secret(given: str | None, expected: str) -> bool:
     return hmac.compare_digest(encoded, expected.encode("utf-8", "surrogatepass")) and bool(given)
 
 
-def issued_form(given: str | None) -> str | None:
-    """`given` if it could be a token this node issued (printable ASCII, as
-    `secrets.token_urlsafe` makes them), else None: a credential of any
-    other form is simply wrong, and never reaches a comparison that could
-    choke on it."""
-    return given if given is not None and given.isascii() and given.isprintable() else None
-
-
 def caller_of(given: str | None, config: NodeConfig) -> Caller | None:
     """The caller a key belongs to, None if it is no key of this node.
     Every configured key is compared, each in constant time."""

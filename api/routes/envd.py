@@ -37,7 +37,7 @@ from ..envd import Target, entry_info, path_of
 from ..errors import LIMIT_HEADER
 from ..exceptions import Capacity, TooLarge
 from ..limits import Lease, LeasedStream, Limits
-from ..teams import QuotaExceeded, issued_form
+from ..teams import QuotaExceeded
 
 router = APIRouter(include_in_schema=False)
 log = logging.getLogger("strata.api")
@@ -78,10 +78,9 @@ def sandbox_of(request: Request) -> str:
 
 async def _target(request: Request, node: Any) -> tuple[Target, str]:
     """The sandbox the request may use, and the team it belongs to (whose
-    long requests this one counts among). A token of a form the node never
-    issues is no token."""
+    long requests this one counts among)."""
     def authorize() -> tuple[Target, str]:
-        target = node.data_plane(sandbox_of(request), token=issued_form(request.headers.get("x-access-token")),
+        target = node.data_plane(sandbox_of(request), token=request.headers.get("x-access-token"),
                                  key=request.headers.get("x-api-key"), user="")
         target.user = _user(request) or target.user  # the sandbox's default user unless named; after the token
         return target, node.record(target.sid).team or DEFAULT_TEAM
