@@ -459,7 +459,8 @@ class Gateway:
         rows: list[Any] = []
         for _ in range(1000):  # pages of 100: far past any node's sandboxes
             try:
-                response = await self.client.get(f"{member.url}{scope['path']}", params=params, headers=headers)
+                response = await self.client.get(httpx.URL(member.url).copy_with(path=scope["path"]), params=params,
+                                                 headers=headers)
             except httpx.HTTPError as exc:
                 answers[member.node] = Unreachable(503, f"node {member.node}: {exc}")
                 return
@@ -490,8 +491,8 @@ class Gateway:
             if member.node not in by_node:
                 continue
             try:
-                response = await self.client.get(f"{member.url}/sandboxes/metrics", headers=headers,
-                                                  params={"sandbox_ids": ",".join(by_node[member.node])})
+                response = await self.client.get(httpx.URL(member.url).copy_with(path="/sandboxes/metrics"),
+                                                 headers=headers, params={"sandbox_ids": ",".join(by_node[member.node])})
             except httpx.HTTPError as exc:
                 answers[member.node] = Unreachable(503, f"node {member.node}: {exc}")
                 continue
