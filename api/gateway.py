@@ -491,8 +491,9 @@ class Gateway:
             if member.node not in by_node:
                 continue
             try:
+                asked = {"sandbox_ids": ",".join(by_node[member.node])}
                 response = await self.client.get(httpx.URL(member.url).copy_with(path="/sandboxes/metrics"),
-                                                 headers=headers, params={"sandbox_ids": ",".join(by_node[member.node])})
+                                                 headers=headers, params=asked)
             except httpx.HTTPError as exc:
                 answers[member.node] = Unreachable(503, f"node {member.node}: {exc}")
                 continue
