@@ -283,3 +283,16 @@ def test_a_non_ascii_key_is_401_never_500(header: bytes) -> None:
                          ("GET", "/metrics"), ("POST", "/sandboxes")):
         r = client.request(method, path, headers={"X-API-Key": header}, json={"command": "true"})
         assert r.status_code == 401, (path, r.status_code, r.text)
+
+
+def test_a_streams_keepalive_is_bounded() -> None:
+    """A stream whose client left is noticed at its next keepalive: a client
+    asking for none in a year (or never) would hold its place that long."""
+    from api.routes.envd import DEFAULT_KEEPALIVE, MAX_KEEPALIVE, _keepalive
+
+    assert _keepalive({"keepalive-ping-interval": "30"}) == 30.0
+    assert _keepalive({}) == DEFAULT_KEEPALIVE and _keepalive({"keepalive-ping-interval": "x"}) == DEFAULT_KEEPALIVE
+    for huge in ("31536000", "inf", "1e308"):
+        assert _keepalive({"keepalive-ping-interval": huge}) == MAX_KEEPALIVE
+    assert _keepalive({"keepalive-ping-interval": "nan"}) == DEFAULT_KEEPALIVE
+    assert _keepalive({"keepalive-ping-interval": "-5"}) == 1.0

@@ -44,6 +44,7 @@ log = logging.getLogger("strata.api")
 PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_HOST = re.compile(r"^49983-([A-Za-z0-9-]{1,64})\.")
 DEFAULT_KEEPALIVE = 50.0  # seconds between keepalive events on a quiet stream (the SDK asks for its own)
+MAX_KEEPALIVE = 120.0  # at most: a stream whose client left holds its thread and place until the next one
 UPLOAD_BLOCK = 1 << 20  # bytes gathered from the request before each hand-off to the agent
 MAX_BODY = MAX_MESSAGE + 5  # a Connect request body: one message, in an envelope if streamed
 HANG_UP = {"Connection": "close"}  # on a refusal sent before the body is read: it never will be
@@ -140,10 +141,12 @@ class LimitReached(ConnectError):
 
 
 def _keepalive(headers: Any) -> float:
+    """The client's keepalive interval, within 1..MAX_KEEPALIVE seconds."""
     try:
-        return max(1.0, float(headers.get("keepalive-ping-interval", DEFAULT_KEEPALIVE)))
+        asked = float(headers.get("keepalive-ping-interval", DEFAULT_KEEPALIVE))
     except ValueError:
         return DEFAULT_KEEPALIVE
+    return DEFAULT_KEEPALIVE if asked != asked else min(MAX_KEEPALIVE, max(1.0, asked))  # NaN: the default
 
 
 def _deadline(headers: Any) -> float | None:
