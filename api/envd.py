@@ -43,8 +43,18 @@ _EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE", "rem
 _FDS = {1: "stdout", 2: "stderr", 3: "pty"}
 
 
+class DiskFull(ConnectError):
+    """The guest's disk has no room: resource_exhausted in an RPC, 507 on
+    /files (the SDK's NotEnoughSpaceException)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("resource_exhausted", message)
+
+
 def connect_error(exc: AgentError) -> ConnectError:
     """The Connect error for an agent failure."""
+    if isinstance(exc, GuestRefused) and exc.code == "no_space":
+        return DiskFull(str(exc))
     if isinstance(exc, GuestRefused):
         return ConnectError(_GUEST_CODES.get(exc.code, "internal"), str(exc))
     if isinstance(exc, AgentTimeout):
@@ -177,6 +187,19 @@ class Target:
     user: str = ""
     cwd: str = ""  # where processes start unless they say (an image's WorkingDir)
     log: Callable[[str, str], None] = lambda level, message: None  # the sandbox's event log
+    reading: list[Stream] = field(default_factory=list)  # the guest streams this request answers from
+
+    def reads(self, stream: Stream) -> Stream:
+        """`stream`, from now on one this request answers from."""
+        self.reading = [s for s in self.reading if not s.done] + [stream]
+        return stream
+
+    def interrupt(self) -> None:
+        """Wake the thread waiting on this request's streams: its client has
+        left, so its thread and place are given back now, not at the next
+        keepalive (up to MAX_KEEPALIVE later). Any thread; never blocks."""
+        for stream in self.reading:
+            stream.interrupt()
 
     def call(self, fn: Callable[[Agent], Any]) -> Any:
         try:
@@ -214,7 +237,7 @@ def follow(target: Target, pid: int, stream: Stream, *, keepalive: float,
            deadline: float | None) -> Iterator[dict[str, Any]]:
     """A process's events as envd messages: start, data..., end; keepalives
     while idle. Re-attaches across a VM replacement (module docstring)."""
-    offset, current = stream.offset, stream
+    offset, current = stream.offset, target.reads(stream)
     try:
         yield process_event(pid)
         while True:
@@ -231,7 +254,7 @@ def follow(target: Target, pid: int, stream: Stream, *, keepalive: float,
                     raise ConnectError("deadline_exceeded", "the command's stream reached its timeout") from None
                 yield process_event(None)
             except AgentGone:
-                current = _reattach(target, pid, offset)
+                current = target.reads(_reattach(target, pid, offset))
             except AgentError as exc:
                 raise connect_error(exc) from None
     finally:

@@ -134,15 +134,23 @@ class LeasedStream(StreamingResponse):
     """A streaming response of blocking work: each block is made on the long
     limiter, and when the response ends (done, failed, or the client gone)
     the blocks' iterator is closed, so what it holds in the guest is let go,
-    and the lease is given back."""
+    and the lease is given back. A thread making a block cannot be
+    cancelled, so when the client leaves `interrupt` is called (from the
+    event loop) to wake it."""
 
-    def __init__(self, blocks: Iterator[bytes], *, limits: Limits, lease: Lease, media_type: str) -> None:
+    def __init__(self, blocks: Iterator[bytes], *, limits: Limits, lease: Lease, media_type: str,
+                 interrupt: Callable[[], None] = lambda: None) -> None:
         super().__init__(limits.iterate(blocks), media_type=media_type)
-        self._blocks, self._limits, self._lease = blocks, limits, lease
+        self._blocks, self._limits, self._lease, self._interrupt = blocks, limits, lease, interrupt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._interrupt_when_gone, receive)
+                try:
+                    await super().__call__(scope, receive, send)
+                finally:
+                    tasks.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 close = getattr(self._blocks, "close", None)
@@ -151,3 +159,8 @@ class LeasedStream(StreamingResponse):
                         await self._limits.run(close)
                 finally:
                     self._lease.release()
+
+    async def _interrupt_when_gone(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._interrupt()

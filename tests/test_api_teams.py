@@ -262,6 +262,13 @@ class Held:
                 self.replies[s] += data  # type: ignore[index]
         return done(self)
 
+    def drop(self, s: socket.socket) -> None:
+        """Leave one request: its socket closed, its answer forgotten."""
+        if s in self.selector.get_map():
+            self.selector.unregister(s)
+        del self.replies[s]
+        s.close()
+
     def close(self) -> None:
         for s in self.replies:
             s.close()

@@ -10,9 +10,11 @@ import base64
 import json
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -694,3 +696,124 @@ def test_a_non_ascii_user_is_400_and_only_after_the_token(server: NodeServer, qu
         r = httpx.post(f"{server.url}/filesystem.Filesystem/Stat", json={"path": "/root"},
                        headers={**headers, "X-Access-Token": quiet["envdAccessToken"]})
         assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
+
+
+def files_headers(sandbox: dict, kind: str) -> dict[str, str]:
+    return {"E2b-Sandbox-Id": sandbox["sandboxID"], "X-Access-Token": sandbox["envdAccessToken"],
+            "Content-Type": kind}
+
+
+def peak_rss_reset(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_a_form_reaches_the_guest_while_it_is_still_arriving(server: NodeServer, quiet: dict) -> None:
+    """A multipart upload goes to the guest a block at a time, never staged
+    whole on the node (whose disk a client could otherwise fill with one
+    upload, whatever its sandbox's disk): with 8 MiB of a file's part sent
+    and the form not finished, the guest already has most of it."""
+    boundary = "strata-test-boundary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/root/arriving\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    block = bytes(range(256)) * 4096  # 1 MiB
+    total = len(head) + 16 * len(block) + len(tail)
+    stat = {"path": "/root/arriving"}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(post_head("/files", files_headers(quiet, f"multipart/form-data; boundary={boundary}"),
+                            length=total) + head)
+        for _ in range(8):
+            s.sendall(block)
+        size = 0
+        for _ in range(100):  # the guest's copy, while the rest of the form is unsent
+            r = httpx.post(f"{server.url}/filesystem.Filesystem/Stat", json=stat,
+                           headers=files_headers(quiet, "application/json"), timeout=30)
+            size = int(r.json()["entry"]["size"]) if r.status_code == 200 else 0
+            if size >= 6 << 20:
+                break
+            time.sleep(0.1)
+        assert size >= 6 << 20, f"the guest had {size} bytes of the 8 MiB sent"
+        for _ in range(8):
+            s.sendall(block)
+        s.sendall(tail)
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    r = httpx.get(f"{server.url}/files", params={"path": "/root/arriving"},
+                  headers=files_headers(quiet, "application/octet-stream"), timeout=60)
+    assert r.content == block * 16
+
+
+def test_forms_of_several_files_and_malformed_forms(sdk: type, server: NodeServer, quiet: dict) -> None:
+    """Several files in one form each go to their own name (the SDK's
+    write_files); a form that is cut short, has no closing boundary or no
+    boundary at all, or names ?path= for two files, is a clear 400."""
+    sbx = sdk.connect(quiet["sandboxID"])
+    infos = sbx.files.write_files([{"path": "/root/many/a", "data": "first"},
+                                   {"path": "/root/many/b", "data": b"\x00second"}])
+    assert sorted(i.path for i in infos) == ["/root/many/a", "/root/many/b"]
+    assert sbx.files.read("/root/many/a") == "first"
+    assert bytes(sbx.files.read("/root/many/b", format="bytes")) == b"\x00second"
+    url, form = f"{server.url}/files", "multipart/form-data; boundary=b"
+    part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="/root/many/c"\r\n\r\ndata\r\n'
+    for body, kind, params, says in [
+            (part, form, {}, "closing boundary"),
+            (part + b"--b--\r\n", "multipart/form-data", {}, "boundary"),
+            (part + part.replace(b"/c", b"/d") + b"--b--\r\n", form, {"path": "/root/many/e"}, "names one file"),
+            (b"--b\r\n\x00\x01garbage", form, {}, "malformed"),
+            (b"--b--\r\n", form, {}, "no file")]:
+        r = httpx.post(url, content=body, params=params, headers=files_headers(quiet, kind), timeout=60)
+        assert r.status_code == 400 and says in r.text, (body[:40], r.status_code, r.text)
+
+
+def test_a_gzip_body_is_inflated_a_block_at_a_time(server: NodeServer) -> None:
+    """64 MiB of zeros in 64 KiB of gzip: written to the guest whole and
+    exact, and the node's peak memory grows by a few blocks, not by what a
+    thousandfold chunk inflates to. A corrupt gzip body is a clear 400; a
+    file larger than the guest's free space is 507 (the SDK's
+    NotEnoughSpaceException), never a 500."""
+    import gzip
+
+    r = server.client.post("/sandboxes", json={"templateID": "base", "timeout": 600, "diskSizeMB": 256})
+    assert r.status_code == 201, r.text
+    try:
+        _inflate_rows(server, r.json(), gzip.compress(bytes(64 << 20), compresslevel=9))
+    finally:
+        server.client.delete(f"/sandboxes/{r.json()['sandboxID']}")
+
+
+def _inflate_rows(server: NodeServer, quiet: dict, body: bytes) -> None:
+    assert server.proc is not None
+    pid = server.proc.pid
+    peak_rss_reset(pid)
+    before = rss(pid)
+    headers = {**files_headers(quiet, "application/octet-stream"), "Content-Encoding": "gzip"}
+    r = httpx.post(f"{server.url}/files", params={"path": "/root/zeros"}, content=body, headers=headers,
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    assert peak_rss(pid) - before < 24 << 20, f"peak grew {(peak_rss(pid) - before) >> 20} MiB"
+    check = server.client.post(f"/sandboxes/{quiet['sandboxID']}/exec", json={
+        "command": "cmp -n 67108864 /root/zeros /dev/zero && stat -c %s /root/zeros && rm /root/zeros"},
+        timeout=120)
+    assert check.json()["output"] == "67108864\n", check.text
+    r = httpx.post(f"{server.url}/files", params={"path": "/root/bad"}, content=body[:1000] + b"x" * 1000,
+                   headers=headers, timeout=60)
+    assert r.status_code == 400 and "gzip" in r.text, r.text
+    free = int(server.client.post(f"/sandboxes/{quiet['sandboxID']}/exec", json={
+        "command": "df -k /root | awk 'NR==2 {print $4 * 1024}'"}).json()["output"])
+
+    def past_the_disk() -> Iterator[bytes]:
+        deflate = zlib.compressobj(1, zlib.DEFLATED, 31)
+        for _ in range((free >> 20) + 64):
+            yield deflate.compress(bytes(1 << 20))
+        yield deflate.flush()
+
+    r = httpx.post(f"{server.url}/files", params={"path": "/root/huge"}, content=past_the_disk(),
+                   headers=headers, timeout=600)
+    assert r.status_code == 507 and "no space" in r.text, r.text

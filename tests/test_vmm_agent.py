@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from vmm.agent import (MAX_IN_FLIGHT, MAX_LINE, Agent, AgentBusy, AgentError, AgentGone, AgentTimeout, Exit,
-                       GuestRefused, Output, output_events, truncation_marker)
+                       GuestRefused, Interrupted, Output, output_events, truncation_marker)
 
 
 class _PtyChannel:
@@ -355,6 +355,42 @@ def test_a_silent_guest_times_out_and_the_vm_going_away_is_agent_gone(tmp_path: 
     agent._conn.sock.shutdown(socket.SHUT_RDWR)
     with pytest.raises(AgentGone):
         stream.next(10)
+
+
+def test_interrupt_wakes_a_reader_waiting_on_another_thread(tmp_path: Path) -> None:
+    """A stream whose client left is interrupted from the event loop while
+    its reader waits on a worker thread: the wait ends now with Interrupted
+    (not AgentGone, which a process stream answers by re-attaching), every
+    later wait too, and the stream still counts as open until cancelled."""
+    scripted_guest(tmp_path / "a.sock", lambda r: [])
+    agent = Agent(tmp_path / "a.sock")
+    stream = agent.open_stream("stat", path="/")
+    caught: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            stream.next(600)
+        except AgentError as exc:
+            caught.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    stream.interrupt()
+    reader.join(30)
+    assert not reader.is_alive() and len(caught) == 1 and type(caught[0]) is Interrupted
+    with pytest.raises(Interrupted):
+        stream.next(600)
+    assert not stream.done
+    stream.cancel()
+    assert stream.done and agent._conn is not None and stream.id not in agent._conn.open
+    watched = agent.open_stream("stat", path="/")  # a polling watcher's: removed by one thread, read by another
+    reader = threading.Thread(target=lambda: caught.append(pytest.raises(AgentError, watched.next, 600).value))
+    reader.start()
+    time.sleep(0.2)
+    watched.cancel()
+    reader.join(30)
+    assert not reader.is_alive() and len(caught) == 2
 
 
 def test_requests_in_flight_are_capped(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,13 @@ class AgentGone(AgentError):
     """The connection to the agent closed (the VM stopped, paused or moved)."""
 
 
+class Interrupted(AgentError):
+    """`Stream.interrupt()` was called: whoever read the stream has left."""
+
+
 class GuestRefused(AgentError):
     """The guest answered with an error; `code` says which kind
-    (not_found exists invalid denied not_dir is_dir internal)."""
+    (not_found exists invalid denied not_dir is_dir no_space internal)."""
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -155,6 +159,7 @@ def truncation_marker(dropped: int, cap: int) -> str:
 
 
 _CLOSED = object()  # queued to every open request when the connection ends
+_INTERRUPTED = object()  # queued by `Stream.interrupt`: its reader should stop waiting
 
 
 class Stream:
@@ -164,17 +169,23 @@ class Stream:
         self.agent, self.id, self._conn = agent, rid, conn
         self.replies: queue.Queue[Any] = queue.Queue(QUEUE_REPLIES)
         self.done = False
+        self.interrupted = False
         self.offset = 0  # a process stream: the output offset it starts at
 
     def next(self, timeout: float) -> dict[str, Any]:
         """The next reply; the final one has `end`. Raises GuestRefused for an
-        error reply, AgentGone if the connection ended, AgentTimeout."""
+        error reply, AgentGone if the connection ended, AgentTimeout, and
+        Interrupted once `interrupt()` was called."""
         if self.done:
             raise AgentError("stream already ended")
+        if self.interrupted:
+            raise Interrupted("the stream's reader was interrupted")
         try:
             reply = self.replies.get(timeout=max(timeout, 0))
         except queue.Empty:
             raise AgentTimeout(f"the guest agent did not answer within {timeout:.0f} s") from None
+        if reply is _INTERRUPTED:
+            raise Interrupted("the stream's reader was interrupted")
         if reply is _CLOSED:
             self._finish()
             raise AgentGone("agent connection closed (VM stopped, paused or gone)")
@@ -188,10 +199,22 @@ class Stream:
         self.done = True
         self._conn.forget(self.id)
 
+    def interrupt(self) -> None:
+        """Wake a `next()` waiting on another thread, now and from then on
+        (whoever reads the stream is gone). Any thread, never blocks; the
+        reader still calls `cancel()`, which may block on the guest."""
+        self.interrupted = True
+        try:
+            self.replies.put_nowait(_INTERRUPTED)
+        except queue.Full:  # then no `next()` is waiting, and the next one sees the flag
+            pass
+
     def cancel(self) -> None:
-        """Stop the stream in the guest (a process keeps running)."""
+        """Stop the stream in the guest (a process keeps running), and wake
+        whoever waits on it on another thread."""
         if not self.done:
             self._finish()
+            self.interrupt()
             try:
                 self._conn.send({"op": "cancel", "id": next(self.agent._ids), "target": self.id})
             except AgentError:

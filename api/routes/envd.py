@@ -15,7 +15,7 @@ import logging
 import re
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,7 +23,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
 
 from layerstore.config import DEFAULT_TEAM
 from layerstore.errors import StrataError
@@ -36,6 +35,7 @@ from ..deps import NodeDep
 from ..envd import Target, entry_info, path_of
 from ..errors import LIMIT_HEADER
 from ..exceptions import Capacity, TooLarge
+from ..formdata import FormError, FormReader, boundary_of
 from ..limits import Lease, LeasedStream, Limits
 from ..teams import QuotaExceeded
 
@@ -44,7 +44,7 @@ log = logging.getLogger("strata.api")
 PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_HOST = re.compile(r"^49983-([A-Za-z0-9-]{1,64})\.")
 DEFAULT_KEEPALIVE = 50.0  # seconds between keepalive events on a quiet stream (the SDK asks for its own)
-MAX_KEEPALIVE = 120.0  # at most: a stream whose client left holds its thread and place until the next one
+MAX_KEEPALIVE = 120.0  # at most: how long a stream's thread waits before it looks again
 UPLOAD_BLOCK = 1 << 20  # bytes gathered from the request before each hand-off to the agent
 MAX_BODY = MAX_MESSAGE + 5  # a Connect request body: one message, in an envelope if streamed
 HANG_UP = {"Connection": "close"}  # on a refusal sent before the body is read: it never will be
@@ -197,7 +197,7 @@ def _update(node: Any, t: Target, m: dict[str, Any], headers: Any) -> dict[str, 
 def _watch(node: Any, t: Target, m: dict[str, Any], headers: Any) -> Iterator[dict[str, Any]]:
     path = path_of(m)
     stream = t.call(lambda a: a.watch(path, recursive=bool(m.get("recursive"))))
-    return _watch_events(stream, _keepalive(headers))
+    return _watch_events(t.reads(stream), _keepalive(headers))
 
 
 def _watch_events(stream: Stream, keepalive: float) -> Iterator[dict[str, Any]]:
@@ -288,7 +288,8 @@ async def _call(request: Request, node: Any, rpc: Rpc, what: tuple[Target, dict[
         result = await limits.run(fn, node, *what, request.headers)
         if rpc.streaming:
             handed = True
-            return LeasedStream(_envelopes(result), limits=limits, lease=lease, media_type=STREAM_TYPE)
+            return LeasedStream(_envelopes(result), limits=limits, lease=lease, media_type=STREAM_TYPE,
+                                interrupt=what[0].interrupt)
         handed = rpc.keeps
         return JSONResponse(result)
     except ConnectError as exc:
@@ -330,6 +331,8 @@ def _files_error(exc: ConnectError, *, unread: bool = False) -> JSONResponse:
     status = {"not_found": 404, "invalid_argument": 400, "unauthenticated": 401, "permission_denied": 403,
               "already_exists": 409, "resource_exhausted": 429, "unavailable": 502,
               "deadline_exceeded": 504}.get(exc.code, 500)
+    if isinstance(exc, envd.DiskFull):
+        status = 507
     headers = {**getattr(exc, "headers", {}), **(HANG_UP if unread else {})}
     return JSONResponse({"code": status, "message": str(exc)}, status_code=status, headers=headers)
 
@@ -389,61 +392,121 @@ async def _upload(request: Request, target: Target, limits: Limits) -> list[Any]
     return [await _upload_stream(request, target, path, limits)]
 
 
-async def _write(target: Target, path: str, chunks: AsyncIterator[bytes], limits: Limits) -> Any:
-    """`chunks` into the guest's `path`, a block at a time; the agent calls
-    on long-work threads."""
-    agent = await limits.run(target.agent_of)
-    try:
-        handle = await limits.run(agent.open_write, path, user=target.user)
+class _Writer:
+    """One file being written into the guest, a block at a time; the agent
+    calls on long-work threads."""
+
+    def __init__(self, agent: Any, handle: Any, limits: Limits) -> None:
+        self._agent, self._handle, self._limits = agent, handle, limits
+        self._pending = bytearray()
+
+    @classmethod
+    async def open(cls, target: Target, path: str, limits: Limits) -> "_Writer":
         try:
-            pending = bytearray()
-            async for chunk in chunks:
-                pending += chunk
-                if len(pending) >= UPLOAD_BLOCK:
-                    await limits.run(agent.write_block, handle, bytes(pending))
-                    pending.clear()
-            if pending:
-                await limits.run(agent.write_block, handle, bytes(pending))
-        finally:
-            entry = await limits.run(agent.close_write, handle)
-        return entry
-    except AgentError as exc:
-        raise envd.connect_error(exc) from None
+            agent = await limits.run(target.agent_of)
+            return cls(agent, await limits.run(agent.open_write, path, user=target.user), limits)
+        except AgentError as exc:
+            raise envd.connect_error(exc) from None
+
+    async def add(self, data: bytes) -> None:
+        self._pending += data
+        if len(self._pending) >= UPLOAD_BLOCK:
+            await self._flush()
+
+    async def close(self) -> Any:
+        """The file's entry once all of it is in the guest; the file is
+        closed even if the last block fails."""
+        try:
+            try:
+                await self._flush()
+            finally:
+                entry = await self._limits.run(self._agent.close_write, self._handle)
+            return entry
+        except AgentError as exc:
+            raise envd.connect_error(exc) from None
+
+    async def _flush(self) -> None:
+        if self._pending:
+            block, self._pending = bytes(self._pending), bytearray()
+            try:
+                await self._limits.run(self._agent.write_block, self._handle, block)
+            except AgentError as exc:
+                raise envd.connect_error(exc) from None
 
 
 async def _upload_stream(request: Request, target: Target, path: str, limits: Limits) -> Any:
     gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
-
-    async def body() -> AsyncIterator[bytes]:
-        inflate = zlib.decompressobj(wbits=31) if gzipped else None
+    inflate = zlib.decompressobj(wbits=31) if gzipped else None
+    writer = await _Writer.open(target, path, limits)
+    try:
         async for chunk in request.stream():
             if inflate is None:
-                yield chunk
+                await writer.add(chunk)
                 continue
-            try:
-                yield inflate.decompress(chunk)
-            except zlib.error:
-                raise ConnectError("invalid_argument", "the gzip body is corrupt") from None
+            for block in _inflated(inflate, chunk):  # a block at a time: a small body may inflate a thousandfold
+                await writer.add(block)
         if inflate is not None:
-            yield inflate.flush()
+            await writer.add(inflate.flush())
+            if not inflate.eof or inflate.unused_data:
+                raise ConnectError("invalid_argument", "the gzip body is cut short or has data past its end")
+    finally:
+        entry = await writer.close()
+    return entry
 
-    return await _write(target, path, body(), limits)
+
+def _inflated(inflate: Any, chunk: bytes) -> Iterator[bytes]:
+    try:
+        yield inflate.decompress(chunk, UPLOAD_BLOCK)
+        while inflate.unconsumed_tail:
+            yield inflate.decompress(inflate.unconsumed_tail, UPLOAD_BLOCK)
+    except zlib.error:
+        raise ConnectError("invalid_argument", "the gzip body is corrupt") from None
 
 
 async def _upload_form(request: Request, target: Target, path: str, limits: Limits) -> list[Any]:
-    form = await request.form()
-    files = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
-    if not files:
+    """Each file of the form into the guest as it arrives (api/formdata.py):
+    to `path` if given (then the form carries one file: E2B's SDK names
+    `path` only for one), else to its filename."""
+    try:
+        form = FormReader(boundary_of(request.headers.get("content-type", "")))
+    except FormError as exc:
+        raise ConnectError("invalid_argument", str(exc)) from None
+    written: list[Any] = []
+    writer: _Writer | None = None
+    try:
+        async for chunk in request.stream():
+            for kind, value in _events(form, chunk):
+                if kind == "file":
+                    writer = await _Writer.open(target, _destination(path, value, len(written)), limits)
+                elif kind == "data" and writer is not None:
+                    await writer.add(value)
+                elif kind == "end" and writer is not None:
+                    writer, done = None, writer
+                    written.append(await done.close())
+        _events(form, None)
+    finally:
+        if writer is not None:
+            await writer.close()
+    if not written:
         raise ConnectError("invalid_argument", "the form has no file")
-    written = []
-    for f in files:
-        dest = path if path and len(files) == 1 else (f.filename or "")
-        if not dest:
-            raise ConnectError("invalid_argument", "a file in the form has no name and no path was given")
-
-        async def body(upload: UploadFile = f) -> AsyncIterator[bytes]:
-            while chunk := await upload.read(UPLOAD_BLOCK):
-                yield chunk
-
-        written.append(await _write(target, dest, body(), limits))
     return written
+
+
+def _events(form: FormReader, chunk: bytes | None) -> list[tuple[str, Any]]:
+    """The form's events for `chunk` (None: the body has ended)."""
+    try:
+        if chunk is None:
+            form.finish()
+            return []
+        return form.feed(chunk)
+    except FormError as exc:
+        raise ConnectError("invalid_argument", str(exc)) from None
+
+
+def _destination(path: str, filename: str, before: int) -> str:
+    if path and before:
+        raise ConnectError("invalid_argument", "?path= names one file, and the form carries more: "
+                                               f"{before} written, the rest refused; name each by its filename")
+    if not (path or filename):
+        raise ConnectError("invalid_argument", "a file in the form has no name and no path was given")
+    return path or filename

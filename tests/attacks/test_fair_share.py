@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Callable, Iterator
 from urllib.parse import quote
 
@@ -65,6 +66,47 @@ def test_600_long_requests_leave_another_team_answered(lab: Lab, beta_box: dict)
     finally:
         held.close()
         alpha.close()
+
+
+def test_streams_whose_client_left_give_their_places_back_at_once(lab: Lab, beta_box: dict) -> None:
+    """attacker: team beta.  target: its places among long requests (and the
+    threads behind them), which a stream held until its next keepalive (up
+    to 120 s) after its client had gone.  attempt: every place beta has free
+    taken by quiet process streams asking for an hourly keepalive, all left
+    at once, then as many again.  must: those are all served within 30 s (a
+    stream whose client left is woken and let go, not waited out)."""
+    held = Held(lab.node.port)
+    try:
+        start = serve_all(held, stream_request(beta_box, "Start", {
+            "process": {"cmd": "/bin/sh", "args": ["-c", "sleep 3000"]}}), 1, within=60)
+        assert len(start) == 1
+        attach = stream_request(beta_box, "Connect", {"process": {"pid": held.started_pid(start[0])}})
+        first = serve_all(held, attach, 255, within=30, each=5)  # what the rows before left busy stays so
+        assert len(first) >= 128, len(first)
+        for s in first:
+            held.drop(s)
+        assert len(serve_all(held, attach, len(first), within=30)) == len(first)
+    finally:
+        held.close()
+
+
+def serve_all(held: Held, request: bytes, count: int, *, within: float, each: float = 0.5) -> list[socket.socket]:
+    """Up to `count` streams running at once: each refused one asked again,
+    `each` seconds apart, until `within` seconds pass (the node may take a
+    moment to see a client go); the sockets of those running."""
+    deadline = time.monotonic() + within
+    running: list[socket.socket] = []
+    while len(running) < count and time.monotonic() < deadline:
+        batch = held.open(request, count - len(running))
+        held.wait(lambda h: all(b'"start"' in h.replies[s] or b"resource_exhausted" in h.replies[s]
+                                or status_of(h.replies[s]) == 429 for s in batch), 60)
+        for s in batch:
+            if b'"start"' in held.replies[s]:
+                running.append(s)
+            else:
+                held.drop(s)
+        time.sleep(each)
+    return running
 
 
 @pytest.mark.parametrize("path, kind", [("/filesystem.Filesystem/Stat", "application/json"),

@@ -191,6 +191,8 @@ func (a *Agent) sendError(id uint64, err error) {
 		code = "is_dir"
 	case errors.Is(err, syscall.EINVAL), errors.Is(err, syscall.ENAMETOOLONG), errors.Is(err, syscall.ELOOP):
 		code = "invalid"
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
+		code = "no_space"
 	}
 	a.send(&Reply{ID: id, End: true, Code: code, Error: err.Error()})
 }

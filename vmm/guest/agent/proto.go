@@ -41,7 +41,7 @@ type Size struct {
 type Reply struct {
 	ID      uint64     `json:"id"`
 	Error   string     `json:"error,omitempty"`
-	Code    string     `json:"code,omitempty"` // not_found exists invalid denied not_dir is_dir busy internal
+	Code    string     `json:"code,omitempty"` // not_found exists invalid denied not_dir is_dir no_space busy internal
 	End     bool       `json:"end,omitempty"`
 	Version string     `json:"version,omitempty"`
 	Boot    string     `json:"boot,omitempty"`
