@@ -58,13 +58,17 @@ def writable_ref(caller: Caller, text: str) -> str:
 
 class Catalog:
     def __init__(self, store: Store, config: NodeConfig, *, uploads: Path,
-                 node_users: Callable[[], dict[str, list[str]]]) -> None:
+                 node_users: Callable[[], dict[str, list[str]]],
+                 deleted: Callable[[], None] = lambda: None) -> None:
         """Templates show `config.sandbox_memory` (E2B shows it per template);
-        uploads are staged under `uploads`, at most `config.max_upload` bytes."""
+        uploads are staged under `uploads`, at most `config.max_upload` bytes;
+        `deleted` is told when a name is removed (the node's hold in its
+        remote may shrink)."""
         self.store = store
         self.config = config
         self._uploads = uploads
         self._node_users = node_users  # snapshot id -> the node's paused sandboxes waking from it
+        self._deleted = deleted
 
     # teams --------------------------------------------------------------------------------
     def _snapshot_team(self, snapshot_id: str) -> str:
@@ -119,6 +123,7 @@ class Catalog:
         """Delete a snapshot manifest (Conflict while a template or paused sandbox needs it)."""
         self._check_snapshot(caller, snapshot_id)
         inventory.delete_snapshot(self.store, snapshot_id, node_users=self._node_users())
+        self._deleted()
 
     # templates ------------------------------------------------------------------------
     def _template(self, t: Template) -> m.Template:
@@ -150,7 +155,7 @@ class Catalog:
         except InvalidInput:
             raise NotFound(f"template {name!r} not found") from None
         caller.check_sees(owner, f"template {name} not found in {self.store.describe()}")
-        self.store.delete_template(name)
+        self.store.delete_template(name)  # what it named is still a root: the hold stays
 
     # images ---------------------------------------------------------------------------
     def images(self, caller: Caller) -> list[m.ImageInfo]:
@@ -183,6 +188,7 @@ class Catalog:
         (`check_not_reserved`) whoever holds it."""
         check_not_reserved(caller, parse_ref(_ref(ref)))
         self.store.delete_ref(self._check_image(caller, ref))
+        self._deleted()
 
     def check_import(self, caller: Caller, ref: str, declared: str | None) -> None:
         """Before a byte is read: the ref is not reserved (400), not another

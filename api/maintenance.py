@@ -18,7 +18,7 @@ from layerstore.config import NodeConfig
 from layerstore.errors import Conflict
 from layerstore.gc import collect
 from layerstore.reach import Name
-from layerstore.store import Store
+from layerstore.store import Store, open_backend
 from layerstore.nodes import Holds
 from layerstore.transfer import copy, lazy_pull
 
@@ -55,6 +55,17 @@ class Maintenance:
             with self._remote() as store:
                 return collect(store, **options).as_dict()  # type: ignore[arg-type]
         return collect(self.store, **options).as_dict()  # type: ignore[arg-type]
+
+    def refresh_hold(self) -> None:
+        """Rewrite this node's hold in its remote from its own store, which
+        deletes through the API may have shrunk: until then the remote keeps
+        more than needed, never less (layerstore/nodes.py)."""
+        if not self._config.remote or self._config.remote == self._config.store:
+            return
+        c = self._config
+        remote = open_backend(c.remote, endpoint=c.s3_endpoint, region=c.s3_region,
+                              path_style=c.s3_path_style != "false")
+        Holds(remote, self.node_id, Path(c.state_dir)).refresh(self.store)
 
     def push(self, name: str) -> dict:
         """Copy an image, snapshot or template and all it needs to the remote."""

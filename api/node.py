@@ -65,6 +65,7 @@ from .uploads import reap as reap_uploads
 log = logging.getLogger("strata.api")
 POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
 TEAMS_TTL = 2.0  # seconds other nodes' team counts are reused for quota checks
+HOLD_EVERY = 600.0  # seconds between rewrites of this node's hold in its remote (deletes shrink it)
 RESERVED_METADATA = "strata."  # metadata keys only the node sets (a client's would hide its sandbox)
 
 
@@ -95,8 +96,9 @@ class Node:
         self._capacity_lock = threading.Lock()
         self._elsewhere: tuple[float, dict[str, int]] = (-TEAMS_TTL, {})  # (read at, team -> sandboxes on other nodes)
         self._reserved: dict[str, str] = {}  # ids of sandboxes being created -> their team
+        self._hold_stale = threading.Event()  # a name was deleted: rewrite the hold now
         self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
-                               node_users=boxes.registry.snapshot_users)
+                               node_users=boxes.registry.snapshot_users, deleted=self._hold_stale.set)
         self.node_id = node_id_of(Path(config.state_dir))
         self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots, node_id=self.node_id)
         self._heartbeat: Heartbeat | None = None
@@ -139,7 +141,7 @@ class Node:
             self._resolver.start()
             self._gate = DomainGate(network, self._resolver.lookup, port=self.config.network_gate_port)
             self._gate.start()
-        for target in (self._reaper, self._pooler):
+        for target in (self._reaper, self._pooler, self._holder):
             thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -206,6 +208,7 @@ class Node:
         if self._heartbeat is not None:
             self._heartbeat.stop()  # the record stays: VMs outlive the service (GC sees it go stale)
         self._stop.set()
+        self._hold_stale.set()  # wakes the holder, which sees the stop
         if self._resolver is not None:
             self._resolver.stop()
         if self._gate is not None:
@@ -229,6 +232,17 @@ class Node:
                 self.boxes.rotate_logs(limit=self.config.console_log_limit)
             except (OSError, StrataError) as exc:  # a full disk, a record being rewritten: next second
                 log.error("rotating console logs: %s", exc)
+
+    def _holder(self) -> None:
+        """Rewrites the node's hold in its remote at start, after deletes and
+        every HOLD_EVERY (commands on this node's store delete too)."""
+        while not self._stop.is_set():
+            self._hold_stale.clear()
+            try:
+                self.maintenance.refresh_hold()
+            except (OSError, StrataError) as exc:  # a remote down: it keeps more than needed until next time
+                log.warning("rewriting this node's hold in its remote: %s", exc)
+            self._hold_stale.wait(HOLD_EVERY)
 
     def _pooler(self) -> None:
         while not self._stop.is_set():

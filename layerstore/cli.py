@@ -411,6 +411,7 @@ def cmd_snapshot_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
 
     with _store(args, ctx) as store:
         delete_snapshot(store, args.id, node_users=ctx.node_snapshot_users())
+        _rewrite_hold(ctx, store)  # the remote may collect what only this snapshot read lazily
     ctx.out.result({"snapshot": args.id, "deleted": True},
                    f"removed snapshot {args.id} (its layers and chunks stay until `strata gc`)")
     return 0

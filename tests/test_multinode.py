@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def test_push_pull_and_peer_fetch_across_namespaces(tmp_path: Path, guest: Path)
             # node A: a sandbox with state on disk and in memory, snapshotted as a template, pushed
             src = a.client.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
             exec_in(a, src, "echo made-on-a > /root/origin; sync; "
-                            "(i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done) >/dev/null 2>&1 &")
+                            "(i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done) >/dev/null 2>&1 &")
             r = a.client.post(f"/sandboxes/{src}/snapshots", json={"name": "golden"})
             assert r.status_code == 201, r.text
             pushed = a.admin.post("/admin/push", json={"name": "golden"})
@@ -106,6 +107,20 @@ def test_push_pull_and_peer_fetch_across_namespaces(tmp_path: Path, guest: Path)
             exec_in(b, second.json()["sandboxID"], "dd if=/dev/vda of=/dev/null bs=1M")  # every disk chunk
             assert exec_in(b, second.json()["sandboxID"], "cat /root/origin") == "made-on-a"
             assert b.client.delete(f"/sandboxes/{second.json()['sandboxID']}").status_code == 204
+
+            # B lets go of its copy through its API: its hold is rewritten, the shared store collects
+            assert b.client.delete("/templates/golden").status_code == 204
+            for snapshot_id in snapshots:
+                assert b.client.delete(f"/snapshots/{snapshot_id}").status_code in (204, 404)
+            for _ in range(60):
+                r = b.admin.post("/admin/gc", json={"grace": "0s", "target": "remote", "dryRun": True})
+                if r.status_code == 200 and r.json()["holds"] == []:
+                    break
+                time.sleep(0.5)
+            assert r.json()["holds"] == [], r.text
+            for _ in range(2):
+                r = b.admin.post("/admin/gc", json={"grace": "0s", "target": "remote"})
+            assert r.status_code == 200 and r.json()["deleted"] > 0, r.text
     finally:
         for node in nodes:
             node.cleanup()
