@@ -19,7 +19,6 @@ from pathlib import Path
 import anyio
 
 from layerstore import inventory
-from layerstore.chunk import chunk_key
 from layerstore.config import DEFAULT_TEAM, NodeConfig
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
@@ -236,8 +235,4 @@ class Catalog:
     def chunk(self, digest: str) -> bytes:
         """A stored chunk object (zstd frame) from this node's own store only:
         a peer falls back to the remote itself, and verifies the digest."""
-        try:
-            key = chunk_key(digest)
-        except InvalidInput:
-            raise NotFound(f"chunk {digest!r} not found") from None
-        return self.store.backend.get(key)
+        return self.store.chunk_object(digest)

@@ -36,7 +36,6 @@ from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.nodes import Heartbeat, node_id_of, read_nodes
-from layerstore.oci import runtime_of
 from layerstore.refs import parse_ref
 from layerstore.store import Store
 from layerstore.templates import check_template_name
@@ -452,7 +451,7 @@ class Node:
                     "traffic_token": "" if public else new_token()}
         defaults = source.process  # a built template's ENV/WORKDIR/USER, over an image's config
         if source.kind == "image":  # the image config (an OCI import's) applies to every process
-            runtime = runtime_of(self.store.stack(self.store.resolve(source.target))[0].annotations)
+            runtime = self.store.runtime(source.target)
             defaults = {"env": {**runtime.env, **defaults.get("env", {})}, "cwd": defaults.get("cwd") or runtime.cwd,
                         "user": defaults.get("user") or runtime.user}
         lifetime.update(env={**defaults.get("env", {}), **(env or {})}, cwd=defaults.get("cwd", ""),

@@ -60,6 +60,7 @@ from .errors import CorruptObject, InvalidInput, MissingChunk, NotFound
 from .localdir import LocalDirBackend
 from .manifest import MAX_STACK_DEPTH, Layer, Packed, flatten, flatten_packed, manifest_key, parse_manifest
 from .lru import Lru
+from .oci import Runtime, runtime_of
 from .pack import PackWriter, decode_entries, decode_entry, encode_entries, pack_key
 from .readthrough import Fallback, ReadThroughBackend
 from .refs import REF_PREFIX, Ref, decode_ref_owner, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
@@ -175,6 +176,16 @@ class Store:
             packed = f" (or pack {via.pack})" if via is not None else ""
             raise MissingChunk(f"chunk {digest}{packed} is missing from {self.describe_read_path()}") from None
         return decode_chunk(digest, blob, max_size=MAX_CHUNK_SIZE)
+
+    def chunk_object(self, digest: str) -> bytes:
+        """A chunk's stored object (its zstd frame, unverified) from this
+        store's own backend, never its fallbacks: what a peer asks for, and
+        verifies itself. NotFound for a digest that is not one, or absent."""
+        try:
+            key = chunk_key(digest)
+        except InvalidInput:
+            raise NotFound(f"chunk {digest!r} not found") from None
+        return self.backend.get(key)
 
     def _pack(self, pack_id: str) -> bytes | None:
         """A pack's bytes (recently read ones from memory), None if it is not stored."""
@@ -455,6 +466,11 @@ class Store:
             raise NotFound(f"image {ref} not found in {self.describe()}") from None
         manifest_id, _ = decode_ref_target(ref, blob)
         return manifest_id
+
+    def runtime(self, ref: Ref | str) -> Runtime:
+        """The process defaults (env, cwd, user) an image's top layer records
+        from its OCI config; empty for an image imported from a disk."""
+        return runtime_of(self.stack(self.resolve(ref))[0].annotations)
 
     def set_ref(self, ref: Ref | str, manifest_id: str, *, owner: str = "") -> None:
         """Point a ref at an existing manifest (recording `owner`: the API

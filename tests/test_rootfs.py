@@ -86,8 +86,10 @@ def test_the_image_config_is_kept(tmp_path: Path) -> None:
                env={"STRATA_STATE_DIR": str(tmp_path / "state")}).returncode == 0
     with open_store(str(store)) as s:
         notes = s.get_layer(s.resolve("demo:v1")).annotations
+        runtime = s.runtime("demo:v1")  # what a sandbox booted from it gets
     assert json.loads(notes["oci.config"]) == {"Env": ["PATH=/usr/bin:/bin", "GREETING=hi"], "WorkingDir": "/srv",
                                                "Cmd": ["/bin/sh"]}
+    assert (runtime.env, runtime.cwd, runtime.user) == ({"PATH": "/usr/bin:/bin", "GREETING": "hi"}, "/srv", "")
 
 
 def hostile(tmp_path: Path, case: str) -> tuple[Path, str]:
