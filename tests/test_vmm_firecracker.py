@@ -6,9 +6,7 @@ run commands through the agent, pause/resume, save_state + restore with a
 memory file while a counter runs, and the same through `Sandboxes`. These are
 the only tests that say whether Firecracker really boots our guest.
 
-Everywhere: vmlinux extraction from the real guest kernel and from synthetic
-bzImages; boot args; the missing-binary and no-KVM refusals; the HTTP client
-against a tiny Firecracker-shaped server on a unix socket; and the backend
+Everywhere: boot args; the missing-binary and no-KVM refusals; and the backend
 driving `fake firecracker` (`fake_firecracker_main` below), a stand-in process
 that serves Firecracker's API on --api-sock and answers the agent protocol on
 its stdin/stdout as the guest's ttyS0 would. The fake enforces the
@@ -22,16 +20,12 @@ mapping). They do not show Firecracker accepts it: the skipped tests do.
 from __future__ import annotations
 
 import base64
-import bz2
 import gzip
 import http.server
 import json
-import lzma
 import os
 import shutil
 import socketserver
-import struct
-import subprocess
 import sys
 import threading
 import time
@@ -42,16 +36,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import guest_spec
+from tests.test_vmm_kernel import bzimage, tiny_elf, with_size
 from vmm.accel import Accel, detect
-from vmm.backend import DEFAULT_CMDLINE, VmSpec
-from vmm.firecracker import (
-    FirecrackerApi,
-    FirecrackerBackend,
-    ensure_vmlinux,
-    extract_vmlinux,
-    firecracker_boot_args,
-)
-from vmm.backend import VmmError
+from vmm.backend import DEFAULT_CMDLINE, VmmError, VmSpec
+from vmm.firecracker import FirecrackerBackend, firecracker_boot_args
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_KVM = Accel("kvm", "fake firecracker in a test: no KVM used")
@@ -263,12 +251,6 @@ def fake_binary(tmp_path: Path) -> Path:
     return path
 
 
-def tiny_elf(machine: int = 62) -> bytes:
-    """An ELF64 little-endian header for `machine` plus some body."""
-    ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
-    return (ident + struct.pack("<HHI", 2, machine, 1)).ljust(64, b"\0") + b"kernel body " * 50
-
-
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, Path]:
     kernel, initrd, disk = tmp_path / "vmlinux", tmp_path / "initrd", tmp_path / "disk.img"
@@ -300,95 +282,6 @@ def processes_under(path: Path) -> list[int]:
     return found
 
 
-# --- vmlinux from a bzImage -------------------------------------------------------
-
-
-def bzimage(payload: bytes, *, version: int = 0x020F, garbage: bytes = b"") -> bytes:
-    """A minimal bzImage: 1 setup sector, boot header, then `garbage` (like the
-    decompressor stub) and the payload, which the header points at."""
-    setup = bytearray(1024)
-    setup[0x1F1] = 1
-    setup[0x202:0x206] = b"HdrS"
-    struct.pack_into("<H", setup, 0x206, version)
-    if version >= 0x208:
-        struct.pack_into("<II", setup, 0x248, len(garbage), len(payload))
-    return bytes(setup) + garbage + payload
-
-
-def with_size(compressed: bytes, plain: bytes) -> bytes:
-    return compressed + struct.pack("<I", len(plain))  # as the kernel's size_append
-
-
-@pytest.mark.parametrize("name,compress", [
-    ("gzip", lambda d: gzip.compress(d, mtime=0)),
-    ("xz", lambda d: lzma.compress(d, format=lzma.FORMAT_XZ)),
-    ("lzma", lambda d: lzma.compress(d, format=lzma.FORMAT_ALONE)),
-    ("bzip2", bz2.compress),
-    ("zstd", lambda d: __import__("zstandard").ZstdCompressor().compress(d)),
-])
-def test_extract_vmlinux_from_each_compression(name: str, compress: Any) -> None:
-    elf = tiny_elf()
-    # a false gzip magic before the payload: the header's payload offset wins
-    image = bzimage(with_size(compress(elf), elf), garbage=b"stub \x1f\x8b\x08 not gzip")
-    assert extract_vmlinux(image) == elf
-    # old boot protocol (no payload fields): found by scanning, like extract-vmlinux
-    assert extract_vmlinux(bzimage(with_size(compress(elf), elf), version=0x0207, garbage=b"stub")) == elf
-
-
-def test_extract_vmlinux_lz4_legacy_matches_the_lz4_tool(tmp_path: Path) -> None:
-    if shutil.which("lz4") is None:
-        pytest.skip("lz4 CLI not installed (apt-get install lz4); the real kernel test covers LZ4")
-    elf = tiny_elf() + os.urandom(3000) + b"abcabcabc" * 2000  # literals, long and overlapping matches
-    compressed = subprocess.run(["lz4", "-l", "-12", "-c"], input=elf, capture_output=True, check=True).stdout
-    assert extract_vmlinux(bzimage(with_size(compressed, elf))) == elf
-
-
-def test_extract_vmlinux_refusals() -> None:
-    elf = tiny_elf()
-    assert extract_vmlinux(elf) == elf  # already a vmlinux
-    with pytest.raises(VmmError, match="neither an ELF vmlinux nor a bzImage"):
-        extract_vmlinux(b"MZ" + bytes(2000))
-    with pytest.raises(VmmError, match="no ELF vmlinux"):
-        extract_vmlinux(bzimage(with_size(gzip.compress(b"not an elf" * 10), b"x" * 100)))
-    with pytest.raises(VmmError, match="machine 183"):  # an arm64 kernel
-        extract_vmlinux(bzimage(with_size(gzip.compress(tiny_elf(183)), elf)))
-
-
-def test_vmlinux_from_the_real_guest_kernel(guest: Path, tmp_path: Path) -> None:
-    """Debian's cloud kernel (a bzImage) -> an x86_64 ELF Firecracker can boot."""
-    image = (guest / "vmlinuz").read_bytes()
-    assert image[0x202:0x206] == b"HdrS" and image[:4] != b"\x7fELF"  # really a bzImage
-    path = ensure_vmlinux(guest / "vmlinuz", tmp_path / "cache")
-    data = path.read_bytes()
-    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1  # ELF64, little-endian
-    assert struct.unpack_from("<H", data, 18)[0] == 62  # EM_X86_64
-    # the kernel build appends the uncompressed size after the compressed payload
-    protected = ((image[0x1F1] or 4) + 1) * 512
-    offset, length = struct.unpack_from("<II", image, 0x248)
-    payload = image[protected + offset:protected + offset + length]
-    assert len(data) == struct.unpack_from("<I", payload, len(payload) - 4)[0]
-    # every program header's bytes lie inside the file (a truncated decode would not)
-    phoff, = struct.unpack_from("<Q", data, 32)
-    phentsize, phnum = struct.unpack_from("<HH", data, 54)
-    loads = 0
-    for i in range(phnum):
-        p_type, _flags, p_offset, _vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
-        assert p_offset + p_filesz <= len(data)
-        loads += p_type == 1
-    assert loads > 0
-    # an independent decoder agrees, where its CLI is installed
-    tools = {b"\x02\x21\x4c\x18": ["lz4", "-dc"], b"\xfd7zXZ\x00": ["xz", "-dc"], b"\x28\xb5\x2f\xfd": ["zstd", "-dc"],
-             b"\x1f\x8b": ["gzip", "-dc"]}
-    tool = next((argv for magic, argv in tools.items() if payload.startswith(magic)), None)
-    if tool is not None and shutil.which(tool[0]):
-        ref = subprocess.run(tool, input=payload[:-4], capture_output=True).stdout
-        assert ref == data, f"{tool[0]} disagrees"
-    # cached by content: a second call returns the same file without rewriting it
-    mtime = path.stat().st_mtime_ns
-    assert ensure_vmlinux(guest / "vmlinuz", tmp_path / "cache") == path
-    assert path.stat().st_mtime_ns == mtime
-
-
 # --- boot args, refusals ----------------------------------------------------------
 
 
@@ -414,35 +307,6 @@ def test_no_usable_kvm_is_refused_before_starting(tmp_path: Path, fake_binary: P
     with pytest.raises(VmmError, match="needs a usable KVM.*PVM"):
         backend.start(VmSpec(**files, workdir=tmp_path / "vm"))
     assert not (tmp_path / "vm").exists()
-
-
-# --- the HTTP client ---------------------------------------------------------------
-
-
-def test_api_client_over_unix_socket_and_fault_messages(tmp_path: Path) -> None:
-    fake = FakeFirecracker(fail="PUT /boot-source")
-    server = serve(fake, tmp_path / "api.sock")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    api = FirecrackerApi(tmp_path / "api.sock", timeout=10)
-    try:
-        assert api.get("/")["state"] == "Not started"
-        assert api.call("PUT", "/machine-config", {"vcpu_count": 1, "mem_size_mib": 128}) is None  # 204
-        with pytest.raises(VmmError, match=r"refused PUT /boot-source \(400\): fake failure of PUT /boot-source$"):
-            api.put("/boot-source", {"kernel_image_path": "/k"})
-        with pytest.raises(VmmError, match="not supported before starting"):
-            api.patch("/vm", {"state": "Paused"})
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert fake.requests == [
-        ("GET", "/", None),
-        ("PUT", "/machine-config", {"vcpu_count": 1, "mem_size_mib": 128}),
-        ("PUT", "/boot-source", {"kernel_image_path": "/k"}),
-        ("PATCH", "/vm", {"state": "Paused"}),
-    ]
-    with pytest.raises(VmmError, match="VM stopped"):  # nothing listens any more
-        api.get("/")
 
 
 # --- the backend against fake firecracker --------------------------------------------

@@ -57,41 +57,28 @@ cwd = workdir and its drive is the relative path `disk`, a symlink to
 Guest agent: Firecracker has one UART (ttyS0) wired to its stdin/stdout and no
 virtio-serial. Boot args therefore drop `console=ttyS0` (kernel messages go to
 tty0 and are discarded; otherwise printk lines would interleave with agent
-lines) and add `strata.agent=/dev/ttyS0`. Firecracker only reads a stdin that
-is a tty or a FIFO (src/vmm/src/devices/legacy/serial.rs, `is_fifo`: a socket
-is ignored), and our VMs outlive the process that started them, so the serial
-is two named FIFOs in the workdir that any later process can open; Firecracker
-holds both open O_RDWR, so it never sees EOF or EPIPE when hosts come and go.
+lines) and add `strata.agent=/dev/ttyS0`; the host end is two FIFOs in the
+workdir (vmm/serial.py).
 
 Kernel: released Firecracker (<= 1.16) boots only an uncompressed ELF vmlinux
-on x86_64. `ensure_vmlinux` derives one from a bzImage (our guest's vmlinuz)
-and caches it by content hash. Devices: with `pci=True` (the default, needs
-Firecracker >= 1.13, `--enable-pci`) the disk is virtio-pci, which our
-initramfs already loads; with `pci=False` it is virtio-mmio described in ACPI,
-which needs virtio_mmio.ko in the initramfs.
+on x86_64; vmm/kernel.py derives one from a bzImage (our guest's vmlinuz).
+Devices: with `pci=True` (the default, needs Firecracker >= 1.13,
+`--enable-pci`) the disk is virtio-pci, which our initramfs already loads;
+with `pci=False` it is virtio-mmio described in ACPI, which needs
+virtio_mmio.ko in the initramfs.
 """
 
 from __future__ import annotations
 
-import bz2
-import fcntl
-import hashlib
-import http.client
 import json
-import logging
-import lzma
 import os
-import select
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import time
-import zlib
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 from layerstore.errors import StrataError
 
@@ -99,197 +86,21 @@ from .accel import Accel, detect
 from .agent import Agent, AgentError
 from .backend import VmmError, VmSpec
 from .durable import write_durably
+from .kernel import default_kernel_cache, ensure_vmlinux
 from .network import GUEST_MAC, guest_cmdline
 from .process import kill_group, owns, wait_gone
-from layerstore.unixsock import connect_unix
-
-log = logging.getLogger("strata.vmm")
+from .serial import AGENT_LOCK, SERIAL_IN, SERIAL_OUT, SerialAgent, make_serial
+from .unixhttp import FirecrackerApi
 
 FIRECRACKER_BINARY = "firecracker"
 RELEASES_URL = "https://github.com/firecracker-microvm/firecracker/releases"
 API_SOCK = "firecracker.sock"
 LOG_FILE = "firecracker.log"
-SERIAL_IN = "serial.in"
-SERIAL_OUT = "serial.out"
-AGENT_LOCK = "agent.lock"
 DISK_LINK = "disk"
 VM_JSON = "vm.json"
 RAM_FILE = "ram"  # save_state's memory output for a VM whose memory file is read-only (memory_shared=False)
 DRIVE_ID = "rootfs"
-# Firecracker makes its stdout O_NONBLOCK (device_manager/mod.rs,
-# set_stdout_nonblocking): guest output that does not fit the FIFO is lost.
-SERIAL_PIPE_SIZE = 1 << 20
 STATES = MappingProxyType({"Running": "running", "Paused": "paused", "Not started": "not-started"})
-
-
-# --- kernel: vmlinux from a bzImage ------------------------------------------
-
-ELF_MAGIC = b"\x7fELF"
-EM_X86_64 = 62
-LZ4_LEGACY_MAGIC = 0x184C2102
-
-
-def _lz4_block(src: memoryview, out: bytearray) -> None:
-    """Append one decompressed LZ4 block (the raw block format) to `out`."""
-    i, n = 0, len(src)
-    while i < n:
-        token = src[i]
-        i += 1
-        length = token >> 4
-        if length == 15:
-            while True:
-                b = src[i]
-                i += 1
-                length += b
-                if b != 255:
-                    break
-        out += src[i:i + length]
-        i += length
-        if i >= n:  # the last sequence has literals only
-            return
-        offset = src[i] | (src[i + 1] << 8)
-        i += 2
-        length = token & 15
-        if length == 15:
-            while True:
-                b = src[i]
-                i += 1
-                length += b
-                if b != 255:
-                    break
-        length += 4
-        if not 0 < offset <= len(out):
-            raise ValueError("corrupt LZ4 block (bad match offset)")
-        start = len(out) - offset
-        if offset >= length:
-            out += out[start:start + length]
-        else:  # overlapping match: the last `offset` bytes repeat
-            pattern = out[start:]
-            out += (pattern * (length // offset + 1))[:length]
-
-
-def _lz4_legacy(data: bytes) -> bytes:
-    """Decompress the LZ4 "legacy" frame the kernel uses (`lz4 -l`): magic, then
-    blocks of [u32 compressed size][block]. Pure Python (no new dependency);
-    ~1.3 s for Debian's 53 MB cloud vmlinux, and the result is cached."""
-    view = memoryview(data)
-    if struct.unpack_from("<I", view, 0)[0] != LZ4_LEGACY_MAGIC:
-        raise ValueError("not an LZ4 legacy frame")
-    out = bytearray()
-    pos = 4
-    while pos + 4 <= len(view):
-        size = struct.unpack_from("<I", view, pos)[0]
-        if size == LZ4_LEGACY_MAGIC:  # concatenated frame
-            pos += 4
-            continue
-        if pos + 4 + size > len(view):  # the kernel's appended size field (or trailing padding)
-            break
-        _lz4_block(view[pos + 4:pos + 4 + size], out)
-        pos += 4 + size
-    return bytes(out)
-
-
-def _zstd(data: bytes) -> bytes:
-    import zstandard  # a project dependency; imported only for zstd kernels
-
-    return zstandard.ZstdDecompressor().decompressobj().decompress(data)
-
-
-# (magic, name, decompress): each decompressor stops at the end of its stream
-# and ignores what follows (the kernel appends the uncompressed size).
-DECOMPRESSORS: tuple[tuple[bytes, str, Callable[[bytes], bytes]], ...] = (
-    (b"\x1f\x8b\x08", "gzip", lambda d: zlib.decompressobj(31).decompress(d)),
-    (b"\xfd7zXZ\x00", "xz", lambda d: lzma.LZMADecompressor(lzma.FORMAT_XZ).decompress(d)),
-    (b"\x28\xb5\x2f\xfd", "zstd", _zstd),
-    (b"\x02\x21\x4c\x18", "lz4", _lz4_legacy),
-    (b"BZh", "bzip2", lambda d: bz2.BZ2Decompressor().decompress(d)),
-    (b"\x5d\x00\x00", "lzma", lambda d: lzma.LZMADecompressor(lzma.FORMAT_ALONE).decompress(d)),
-)
-
-
-def check_vmlinux(data: bytes) -> None:
-    """Raise VmmError unless `data` starts like an x86_64 ELF kernel."""
-    if data[:4] != ELF_MAGIC:
-        raise VmmError("kernel image is not an ELF file")
-    if data[4] != 2 or data[5] != 1:
-        raise VmmError("kernel image is not a 64-bit little-endian ELF")
-    machine = struct.unpack_from("<H", data, 18)[0]
-    if machine != EM_X86_64:
-        raise VmmError(f"kernel image is for ELF machine {machine}, not x86_64 ({EM_X86_64})")
-
-
-def extract_vmlinux(image: bytes) -> bytes:
-    """The uncompressed ELF vmlinux inside a bzImage.
-
-    Released Firecracker boots only ELF kernels on x86_64, while distribution
-    kernels ship as bzImage. Like the kernel's scripts/extract-vmlinux we look
-    for a compressed payload and decompress it, accepting the first result
-    that is an ELF file; but first we try the exact payload the boot header
-    points at (payload_offset/payload_length, boot protocol >= 2.08), which
-    avoids false magic matches inside the payload. An ELF input is returned
-    as is. Debian 12's cloud kernel is LZ4 (CONFIG_KERNEL_LZ4).
-    """
-    if image[:4] == ELF_MAGIC:
-        check_vmlinux(image)
-        return image
-    if image[0x202:0x206] != b"HdrS":
-        raise VmmError("kernel image is neither an ELF vmlinux nor a bzImage (no HdrS header)")
-    setup_sects = image[0x1F1] or 4
-    protected = (setup_sects + 1) * 512
-    candidates: list[int] = []
-    if struct.unpack_from("<H", image, 0x206)[0] >= 0x208:
-        offset, length = struct.unpack_from("<II", image, 0x248)
-        candidates.append(protected + offset)
-        image_end = protected + offset + length
-    else:
-        image_end = len(image)
-    for magic, _name, _fn in DECOMPRESSORS:  # extract-vmlinux's scan, as a fallback
-        at = image.find(magic, protected)
-        while at != -1:
-            candidates.append(at)
-            at = image.find(magic, at + 1)
-    tried: list[str] = []
-    for at in dict.fromkeys(candidates):
-        end = image_end if at < image_end else len(image)
-        for magic, name, decompress in DECOMPRESSORS:
-            if image.startswith(magic, at):
-                try:
-                    out = decompress(image[at:end])
-                except Exception:  # noqa: BLE001 - any decoder error means "not this offset"
-                    tried.append(f"{name}@{at}")
-                    continue
-                if out[:4] == ELF_MAGIC:
-                    check_vmlinux(out)
-                    return out
-                tried.append(f"{name}@{at}")
-    raise VmmError(f"no ELF vmlinux found in the bzImage (tried {', '.join(tried[:6]) or 'nothing'}"
-                   f"{', ...' if len(tried) > 6 else ''}); LZO kernels are not supported")
-
-
-def default_kernel_cache() -> Path:
-    """Where extracted vmlinux files go when no node state dir is given (tests, scripts)."""
-    return Path.home() / ".cache" / "strata" / "vmlinux"
-
-
-def ensure_vmlinux(kernel: Path, cache_dir: Path) -> Path:
-    """A path Firecracker can boot: `kernel` itself if it is an ELF vmlinux,
-    else a vmlinux extracted once into `cache_dir`, named by the bzImage's
-    sha256 (so a rebuilt kernel never reuses a stale extraction)."""
-    with open(kernel, "rb") as f:
-        if f.read(4) == ELF_MAGIC:
-            return kernel
-    image = kernel.read_bytes()
-    out = cache_dir / f"vmlinux-{hashlib.sha256(image).hexdigest()[:32]}"
-    if out.exists():
-        return out
-    started = time.monotonic()
-    vmlinux = extract_vmlinux(image)
-    log.info("extracted vmlinux from %s into %s in %.1f s", kernel, out, time.monotonic() - started)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(vmlinux)
-    os.replace(tmp, out)
-    return out
 
 
 def firecracker_boot_args(cmdline: str, *, pci: bool) -> str:
@@ -314,186 +125,6 @@ def _owned(pid: int, api_sock: str | os.PathLike[str]) -> bool:
     """True if `pid` is still the Firecracker whose API socket is `api_sock`:
     its argv names the log file beside it (absolute; the socket is relative)."""
     return owns(pid, str(Path(api_sock).parent / LOG_FILE))
-
-
-# --- the REST API over AF_UNIX -----------------------------------------------
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """http.client speaking to a unix socket: Firecracker's API is HTTP/1.1 on
-    AF_UNIX only. The Host header stays "localhost" (ignored by Firecracker)."""
-
-    def __init__(self, socket_path: str, *, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            connect_unix(sock, self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
-class FirecrackerApi:
-    """One Firecracker process's API. A new connection per request: calls are
-    rare (boot, pause, snapshot), and no keep-alive state survives a VM that
-    another process controlled in between."""
-
-    def __init__(self, socket_path: Path, *, timeout: float = 30.0) -> None:
-        self.socket_path = socket_path
-        self.timeout = timeout
-
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
-             timeout: float | None = None) -> dict[str, Any] | None:
-        """Send one request; returns the JSON body (None for 204). A non-2xx
-        answer raises VmmError carrying Firecracker's fault_message."""
-        conn = UnixHTTPConnection(str(self.socket_path), timeout=timeout or self.timeout)
-        headers = {"Accept": "application/json"}
-        payload = None
-        if body is not None:
-            payload = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        try:
-            conn.request(method, path, body=payload, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            raise VmmError(f"firecracker API {method} {path} failed: {exc or type(exc).__name__} "
-                           "(VM stopped?)") from None
-        finally:
-            conn.close()
-        if not 200 <= response.status < 300:
-            raise VmmError(f"firecracker refused {method} {path} ({response.status}): "
-                           f"{_fault_message(raw) or response.reason}")
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise VmmError(f"firecracker API {method} {path} answered non-JSON: {raw[:200]!r}") from None
-
-    def put(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> None:
-        self.call("PUT", path, body, timeout=timeout)
-
-    def patch(self, path: str, body: dict[str, Any]) -> None:
-        self.call("PATCH", path, body)
-
-    def get(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
-        return self.call("GET", path, timeout=timeout) or {}
-
-
-def _fault_message(raw: bytes) -> str:
-    try:
-        return str(json.loads(raw)["fault_message"])
-    except (ValueError, KeyError, TypeError):
-        return raw.decode("utf-8", "replace").strip()[:500]
-
-
-# --- the guest agent over the serial port --------------------------------------
-
-
-class _SerialChannel:
-    """The host end of the guest's ttyS0: the two FIFOs Firecracker has as
-    stdin and stdout, with the subset of the socket API `Agent` uses
-    (sendall, recv, settimeout, close). Opening it takes agent.lock, so two
-    processes never read each other's replies; stale output left by an
-    earlier host is discarded (Agent also skips replies to unknown ids)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self._lock = os.open(workdir / AGENT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock)
-            raise AgentError(f"the guest agent of {workdir} is in use by another process") from None
-        self._read = self._write = -1
-        try:
-            self._read = os.open(workdir / SERIAL_OUT, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            # ENXIO when nothing holds the FIFO for reading, i.e. Firecracker is gone
-            self._write = os.open(workdir / SERIAL_IN, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            self.close()
-            raise AgentError(f"guest serial port of {workdir} unavailable: {exc.strerror} (VM stopped?)") from None
-        while True:
-            try:
-                if not os.read(self._read, 65536):
-                    break
-            except BlockingIOError:
-                break
-        self._timeout: float | None = None
-
-    def settimeout(self, timeout: float | None) -> None:
-        self._timeout = timeout
-
-    def shutdown(self, how: int) -> None:
-        pass  # close() is enough: the reader polls with a timeout
-
-    def _wait(self, fd: int, event: int, timeout: float | None) -> bool:
-        poller = select.poll()  # not select(): a busy service may hold fds above 1024
-        poller.register(fd, event)
-        return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
-
-    def recv(self, size: int) -> bytes:
-        if not self._wait(self._read, select.POLLIN, self._timeout):
-            raise TimeoutError("no guest output")
-        try:
-            return os.read(self._read, size)  # b"" once no writer is left: Firecracker exited
-        except BlockingIOError:
-            raise TimeoutError("no guest output") from None
-
-    def sendall(self, data: bytes) -> None:
-        # Agent's timeouts are about replies; input the port has not taken
-        # within 30 s means the guest stopped reading it.
-        view = memoryview(data)
-        deadline = time.monotonic() + 30.0
-        while view:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the guest serial port takes no input")
-            if self._wait(self._write, select.POLLOUT, left):
-                try:
-                    view = view[os.write(self._write, view):]
-                except BlockingIOError:
-                    continue
-
-    def close(self) -> None:
-        for fd in (self._read, self._write, self._lock):
-            if fd >= 0:
-                os.close(fd)
-        self._read = self._write = self._lock = -1
-
-
-class SerialAgent(Agent):
-    """`Agent` over Firecracker's serial port instead of a unix socket.
-
-    Only the transport differs, so this overrides `_open` to hand Agent a
-    `_SerialChannel` (socket-like) and keeps the protocol code (hellos, id
-    matching, streams) in one place.
-    """
-
-    def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir / SERIAL_OUT)
-        self.workdir = workdir
-        self._held: _SerialChannel | None = None
-
-    def _open(self, deadline: float) -> _SerialChannel:
-        channel, self._held = self._held, None
-        return channel if channel is not None else _SerialChannel(self.workdir)
-
-    def connect(self) -> None:
-        """Take the port now (AgentError if another process holds it)."""
-        if self._held is None:
-            self._held = _SerialChannel(self.workdir)
-
-    def close(self) -> None:
-        super().close()
-        if self._held is not None:
-            self._held.close()
-            self._held = None
 
 
 # --- VMs and the backend ---------------------------------------------------------
@@ -681,22 +312,13 @@ class FirecrackerBackend:
 
     def _prepare(self, spec: VmSpec) -> tuple[int, int]:
         """Fresh FIFOs, disk symlink and log in the workdir; returns the fds
-        Firecracker gets as stdin and stdout (both O_RDWR: it then never sees
-        EOF on stdin nor EPIPE on stdout while no host is connected)."""
+        Firecracker gets as stdin and stdout (vmm/serial.py)."""
         work = spec.workdir
         work.mkdir(parents=True, exist_ok=True)
         _cleanup(work)
-        os.mkfifo(work / SERIAL_IN, 0o600)
-        os.mkfifo(work / SERIAL_OUT, 0o600)
         os.symlink(os.path.abspath(spec.disk), work / DISK_LINK)
         (work / LOG_FILE).touch()  # releases before open_file_nonblock's O_CREAT needed it to exist
-        stdin = os.open(work / SERIAL_IN, os.O_RDWR | os.O_CLOEXEC)
-        stdout = os.open(work / SERIAL_OUT, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            fcntl.fcntl(stdout, fcntl.F_SETPIPE_SZ, SERIAL_PIPE_SIZE)
-        except OSError:
-            pass  # above /proc/sys/fs/pipe-max-size: keep the 64 KiB default
-        return stdin, stdout
+        return make_serial(work)
 
     def _wait_api(self, proc: subprocess.Popen, api: FirecrackerApi) -> None:
         deadline = time.monotonic() + self.api_timeout
