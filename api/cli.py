@@ -24,7 +24,7 @@ from typing import Any
 import fusefs.cli
 import layerstore.cli
 import vmm.cli
-from layerstore.cli import EXIT_FAILED, Output
+from layerstore.clikit import EXIT_FAILED, Output, common_options
 from layerstore.config import NodeConfig
 from layerstore.errors import StrataError
 
@@ -36,7 +36,7 @@ OVERRIDES = ("store", "mount", "guest_dir", "vmm", "cache_dir", "cache_size", "h
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = layerstore.cli.common_options()
+    common = common_options()
     parser = argparse.ArgumentParser(prog="strata", parents=[common],
                                      description="Content-addressed images and snapshots for microVMs.")
     nouns = parser.add_subparsers(dest="noun", metavar="COMMAND", required=True)

@@ -13,7 +13,7 @@ backend, sandboxes and API service from one `NodeConfig`.
 
 Every `strata` command gets a NodeContext and asks it only for what it
 needs (a store command never starts a mount); lower packages describe what
-they use of it as Protocols (layerstore.cli.StoreContext,
+they use of it as Protocols (layerstore.clikit.StoreContext,
 vmm.cli.NodeContext), so none of them imports this module.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from layerstore.cli import Output
+from layerstore.clikit import Output
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput
 

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.mkimage import make_image  # noqa: E402
-from layerstore.cli import parse_size  # noqa: E402
+from layerstore.clikit import parse_size  # noqa: E402
 from layerstore.importer import import_image  # noqa: E402
 from layerstore.store import open_store  # noqa: E402
 

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from layerstore.cli import StoreContext, human_bytes, parse_size
+from layerstore.clikit import StoreContext, human_bytes, parse_size
 from layerstore.errors import InvalidInput
 
 if TYPE_CHECKING:

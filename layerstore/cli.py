@@ -1,124 +1,22 @@
-"""The store's commands (`strata image|snapshot|template ...`, `push`, `pull`,
-`gc`, `verify`) and what every command module shares: `Output`, size parsing.
-
-The `strata` entry point (api/cli.py) builds the parser from each package's
-`register`, loads the node's configuration once, and calls a command as
-`func(args, ctx)`. `ctx` is the entry point's `NodeContext`; each command
-module declares in a Protocol just what it uses of it (`StoreContext` here),
-so no package reaches above itself for the node.
-
-Conventions: nouns then verbs; every command takes `--json` (one JSON
-document on stdout) and `--store`; failures print one line, `strata: error:
-...`, on stderr and exit non-zero (EXIT_FAILED for a failed operation,
-EXIT_USAGE for bad usage, EXIT_PROBLEMS when `verify` finds problems). Long
-work shows a progress bar when stderr is a terminal.
+"""The store's commands: `strata image|snapshot|template ...`, `push`,
+`pull`, `gc`, `verify`. What every package's commands share (`Output`,
+`StoreContext`, exit codes, sizes, common options) is layerstore/clikit.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 from .chunk import DEFAULT_CHUNK_SIZE, DEFAULT_LEVEL
-from .config import NodeConfig, parse_bytes
+from .clikit import EXIT_PROBLEMS, Output, StoreContext, human_bytes, parse_size
 from .errors import InvalidInput, StrataError
 
 if TYPE_CHECKING:  # the store's modules load when a command opens one: `strata --help` stays quick
-    from .reach import Name
     from .store import Store
     from .transfer import TransferResult
-
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_PROBLEMS = 3
-
-
-def parse_size(text: str) -> int:
-    """Parse `1048576`, `64K`, `1M`, `1MiB`, `2G` (powers of 1024) into bytes (argparse type)."""
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-class Output:
-    """Where results go: JSON on stdout for scripts, text otherwise; progress on stderr."""
-
-    def __init__(self, *, json_mode: bool) -> None:
-        self.json_mode = json_mode
-        self.show_progress = not json_mode and sys.stderr.isatty()
-
-    def result(self, data: object, text: str | Callable[[], str]) -> None:
-        if self.json_mode:
-            json.dump(data, sys.stdout, indent=2, sort_keys=True)
-            sys.stdout.write("\n")
-        else:
-            sys.stdout.write((text() if callable(text) else text) + "\n")
-
-    def note(self, text: str) -> None:
-        """A line of what long work is doing (a build's log), on stderr; nothing with --json."""
-        if not self.json_mode:
-            sys.stderr.write(text + "\n")
-
-    @contextlib.contextmanager
-    def progress(self, description: str) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
-        """Yield (advance, set_total) callbacks driving a rich progress bar (or nothing)."""
-        if not self.show_progress:
-            yield (lambda n: None), (lambda n: None)
-            return
-        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-        with Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            DownloadColumn(binary_units=True),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            transient=True,
-        ) as bar:
-            task = bar.add_task(description, total=None)
-            yield (lambda n: bar.advance(task, n)), (lambda n: bar.update(task, total=n))
-
-
-    @contextlib.contextmanager
-    def status(self, description: str) -> Iterator[None]:
-        """A spinner with `description` on a terminal while a long step runs (else nothing)."""
-        if not self.show_progress:
-            yield
-            return
-        from rich.console import Console
-
-        with Console(stderr=True).status(description):
-            yield
-
-
-class StoreContext(Protocol):
-    """What the store's commands use of the entry point's context."""
-
-    config: NodeConfig
-    out: Output
-
-    def open_store(self, spec: str | None = None, *, level: int | None = None) -> Store:
-        """The store `spec` (default: the node's), opened with the node's settings."""
-
-    def node_roots(self, store: Store) -> list[Name]:
-        """What GC of `store` must keep beyond refs, templates and snapshots
-        (the layers this node's sandbox disks sit on)."""
-
-    def node_snapshot_users(self) -> dict[str, list[str]]:
-        """Snapshot id -> this node's sandboxes that need it ("paused sandbox SID")."""
 
 
 def _store(args: argparse.Namespace, ctx: StoreContext) -> Store:
@@ -448,15 +346,6 @@ def cmd_template_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
 
 
 # parser -------------------------------------------------------------------------
-def common_options() -> argparse.ArgumentParser:
-    """Options every command takes (added as a parent parser at each level)."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--store", default=argparse.SUPPRESS,
-                        help="store: a directory or s3://BUCKET/PREFIX (env STRATA_STORE)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
-    return common
-
-
 def register(nouns: Any, common: argparse.ArgumentParser) -> dict[str, Any]:
     """Add the store's nouns and verbs; returns {noun: its verbs} for other packages to extend."""
     image = nouns.add_parser("image", help="import, export, list, inspect and remove images")

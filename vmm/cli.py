@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fusefs.cli import mount_option
-from layerstore.cli import StoreContext, human_bytes, parse_size
+from layerstore.clikit import StoreContext, human_bytes, parse_size
 from layerstore.errors import InvalidInput, StrataError
 
 from .backend import BACKENDS
