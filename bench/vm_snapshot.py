@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from layerstore.store import open_store  # noqa: E402
 from tests.test_fusefs_mount import Mount  # noqa: E402  (the same CLI-driven mount the tests use)
-from fusefs.daemon import RECORD_WINDOW  # noqa: E402
+from fusefs.catalogue import RECORD_WINDOW  # noqa: E402
 from vmm.accel import detect  # noqa: E402
 from vmm.qemu import QemuBackend  # noqa: E402
 from vmm.sandbox import Sandboxes  # noqa: E402

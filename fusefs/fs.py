@@ -43,7 +43,7 @@ from .upper import UpperLayer
 from .view import LayerView
 
 if TYPE_CHECKING:
-    from .daemon import Catalogue
+    from .catalogue import Catalogue
 
 log = logging.getLogger("strata.fusefs")
 
@@ -115,7 +115,7 @@ def contain(cls: type[pyfuse3.Operations]) -> type[pyfuse3.Operations]:
 
 @contain
 class StrataFS(pyfuse3.Operations):
-    """pyfuse3 operations over a `Catalogue` of images and sandboxes (see daemon.py)."""
+    """pyfuse3 operations over a `Catalogue` of images and sandboxes (catalogue.py)."""
 
     enable_writeback_cache = False
 

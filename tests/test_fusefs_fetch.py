@@ -14,7 +14,7 @@ from fusefs.view import LayerView
 from layerstore.digest import digest_bytes
 from layerstore.errors import CorruptObject
 from layerstore.store import open_store
-from tests.test_fusefs_daemon import wait_for
+from tests.test_fusefs_catalogue import wait_for
 
 DATA = b"chunk-bytes" * 1000
 DIGEST = digest_bytes(DATA)

@@ -169,7 +169,8 @@ def test_error_subclasses_travel_as_their_nearest_known_class() -> None:
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[Any]:
     from fusefs.cache import ChunkCache
-    from fusefs.daemon import Catalogue, Daemon
+    from fusefs.catalogue import Catalogue
+    from fusefs.daemon import Daemon
     from layerstore.store import open_store
 
     store = open_store(str(tmp_path / "store"))

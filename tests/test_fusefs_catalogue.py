@@ -1,4 +1,4 @@
-"""fusefs/daemon.py's Catalogue without a mount: seals keep a sandbox's
+"""fusefs/catalogue.py's Catalogue without a mount: seals keep a sandbox's
 layer stack shallow (squashed past `squash_depth`, reads unchanged),
 removing a sandbox discards seals the store refused instead of failing
 forever, and a layer's working set is recorded on its first use, then
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fusefs.cache import ChunkCache
-from fusefs.daemon import Catalogue
+from fusefs.catalogue import Catalogue
 from layerstore.errors import BackendUnavailable, NotFound
 from layerstore.importer import import_image
 from layerstore.refs import parse_ref
