@@ -111,7 +111,7 @@ class NodeContext:
         from vmm.network import Network
 
         c = self.config
-        if c.network_enabled != "true":
+        if not c.network_enabled:
             return None
         # guests never reach the store's endpoint, the peers or this node's advertised address (unless opened)
         endpoints = (c.s3_endpoint, *c.peers, c.advertise_url)

@@ -18,7 +18,7 @@ from layerstore.config import NodeConfig
 from layerstore.errors import Conflict
 from layerstore.gc import collect
 from layerstore.reach import Name
-from layerstore.store import Store, open_backend
+from layerstore.store import Store, open_node_backend
 from layerstore.nodes import Holds
 from layerstore.transfer import copy, lazy_pull
 
@@ -63,8 +63,7 @@ class Maintenance:
         if not self._config.remote or self._config.remote == self._config.store:
             return
         c = self._config
-        remote = open_backend(c.remote, endpoint=c.s3_endpoint, region=c.s3_region,
-                              path_style=c.s3_path_style != "false")
+        remote = open_node_backend(c, c.remote)
         Holds(remote, self.node_id, Path(c.state_dir)).refresh(self.store)
 
     def push(self, name: str) -> dict:

@@ -194,13 +194,12 @@ class Node:
     def _record_backends(self) -> list:
         """Where this node publishes its record: its store, and its remote (whose GC must keep
         what it pulled manifests-only)."""
-        from layerstore.store import open_backend
+        from layerstore.store import open_node_backend
 
         backends = [self.store.backend]
         c = self.config
         if c.remote and c.remote != c.store:
-            backends.append(open_backend(c.remote, endpoint=c.s3_endpoint, region=c.s3_region,
-                                         path_style=c.s3_path_style != "false"))
+            backends.append(open_node_backend(c, c.remote))
         return backends
 
     def stop(self) -> None:
@@ -480,7 +479,7 @@ class Node:
         """Validated rules of a new sandbox (InvalidInput names a bad one);
         `internet` defaults to the config's network.internet."""
         if internet is None:
-            internet = self.config.network_internet == "true"
+            internet = self.config.network_internet
         return Egress.parse(internet, allow or [], deny or [])
 
     @property

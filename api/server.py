@@ -68,7 +68,7 @@ def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
 def cmd_gateway(args: argparse.Namespace, ctx: NodeContext) -> int:
     import uvicorn
 
-    from layerstore.store import open_backend
+    from layerstore.store import open_node_backend
 
     from .gateway import Cluster, Gateway
 
@@ -77,8 +77,7 @@ def cmd_gateway(args: argparse.Namespace, ctx: NodeContext) -> int:
         raise InvalidInput("no store given: the gateway reads the cluster's shared store (--store s3://BUCKET/PREFIX "
                            "or STRATA_STORE)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    backend = open_backend(config.store, endpoint=config.s3_endpoint, region=config.s3_region,
-                           path_style=config.s3_path_style != "false")
+    backend = open_node_backend(config, config.store)
     cluster = Cluster(backend, refresh=args.refresh)
     log.info("gateway for the nodes of %s on http://%s:%d", backend.describe(), config.host, config.port)
     uvicorn.run(Gateway(cluster), host=config.host, port=config.port, log_level="warning",

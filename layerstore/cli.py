@@ -203,14 +203,13 @@ def _rewrite_hold(ctx: StoreContext, store: Store) -> None:
     needed keeps chunks in the remote, it never loses any, so a remote that
     cannot be written only earns a warning."""
     from .nodes import Holds
-    from .store import open_backend
+    from .store import open_node_backend
 
     c, node_id = ctx.config, _existing_node(ctx)
     if not c.remote or c.remote == c.store or node_id is None:
         return  # no remote, or this node never ran `serve` nor pulled lazily: it holds nothing
     try:  # the remote's backend alone: a pull has the remote's store (and its catalog) open
-        remote = open_backend(c.remote, endpoint=c.s3_endpoint, region=c.s3_region,
-                              path_style=c.s3_path_style != "false")
+        remote = open_node_backend(c, c.remote)
         Holds(remote, node_id, c.state_dir).refresh(store)
     except StrataError as exc:
         sys.stderr.write(f"strata: warning: this node's hold in {c.remote} was not rewritten ({exc}); it keeps "

@@ -96,6 +96,19 @@ def _record_ttl(text: str) -> float:
     return value
 
 
+def _flag(text: str) -> bool:
+    """`true` or `false`, any case (a TOML boolean reads as one) -> bool."""
+    value = str(text).strip().lower()
+    if value not in ("true", "false"):
+        raise ValueError(f"{text!r} is not true or false")
+    return value == "true"
+
+
+def _optional_flag(text: str) -> str:
+    """`true`, `false` (any case) or empty (the default) -> "true", "false" or ""."""
+    return str(_flag(text)).lower() if str(text).strip() else ""
+
+
 def _choice(*choices: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text not in choices:
@@ -293,14 +306,12 @@ class NodeConfig:
     team_max_streams: dict[str, int] = _setting("*=256", _team_limits(_positive, every="256"),
                                                 "long requests a team holds at once: TEAM=N,*=N (a team not "
                                                 "named gets *, 256 unless given)")
-    network_enabled: str = _setting("false", _choice("true", "false"), "give sandboxes a network: a namespace "
-                                                                       "each, NAT to the uplink, egress rules "
-                                                                       "(changes the host's nftables and "
-                                                                       "forwarding; needs root)")
+    network_enabled: bool = _setting("false", _flag, "give sandboxes a network: a namespace each, NAT to the "
+                                                     "uplink, egress rules (changes the host's nftables and "
+                                                     "forwarding; needs root)")
     network_pool: str = _setting("10.201.0.0/16", _cidr, "addresses of the sandboxes' links, a /30 per "
                                                          "sandbox")
-    network_internet: str = _setting("true", _choice("true", "false"), "allow_internet_access of a sandbox "
-                                                                       "created without it")
+    network_internet: bool = _setting("true", _flag, "allow_internet_access of a sandbox created without it")
     network_blocked: tuple[str, ...] = _setting(BLOCKED, _cidrs, "CIDRs no sandbox reaches, whatever its rules "
                                                          "(allowOut included): private, CGNAT, loopback, "
                                                          "link-local, multicast and reserved ranges; the node's own "
@@ -322,7 +333,7 @@ class NodeConfig:
                                                         "(e.g. 100M; 0: no limit); more are dropped")
     s3_endpoint: str = _setting("", _text, "S3 endpoint URL (empty: AWS)")
     s3_region: str = _setting("", _text, "S3 region")
-    s3_path_style: str = _setting("", _choice("true", "false", ""), "path-style S3 addressing")
+    s3_path_style: str = _setting("", _optional_flag, "path-style S3 addressing")
 
     @classmethod
     def load(cls, env: Mapping[str, str], *, require_store: bool = True, **overrides: Any) -> "NodeConfig":
@@ -362,6 +373,11 @@ class NodeConfig:
         return limits.get(team, limits.get("*"))
 
     @property
+    def path_style(self) -> bool:
+        """Whether S3 stores are addressed path-style: unless s3_path_style is false."""
+        return self.s3_path_style != "false"
+
+    @property
     def values(self) -> dict[str, Any]:
         """Every setting by name (for display: `strata config check`)."""
         return {f.name: getattr(self, f.name) for f in FIELDS}
@@ -372,7 +388,7 @@ class NodeConfig:
         node's own store (`own`) reads through its peers and remote; another
         store (a push target, a pull source, the remote itself) is opened bare."""
         return {"s3_endpoint": self.s3_endpoint, "s3_region": self.s3_region,
-                "s3_path_style": self.s3_path_style != "false", "remote": self.remote if own else "",
+                "s3_path_style": self.path_style, "remote": self.remote if own else "",
                 "peers": self.peers if own else (), "peer_key": self.peer_key, "state_dir": self.state_dir}
 
     def env(self) -> dict[str, str]:
@@ -382,7 +398,9 @@ class NodeConfig:
             value = getattr(self, spec.name)
             if spec.secret or value in ("", None, {}, ()):
                 continue
-            if isinstance(value, dict):
+            if isinstance(value, bool):
+                out[spec.env] = str(value).lower()
+            elif isinstance(value, dict):
                 out[spec.env] = ",".join(f"{k}={v}" for k, v in value.items())
             elif isinstance(value, tuple):
                 out[spec.env] = ",".join(value)

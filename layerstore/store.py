@@ -50,7 +50,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .backend import Backend, RetryingBackend
 from .catalog import Catalog
@@ -66,6 +66,9 @@ from .readthrough import Fallback, ReadThroughBackend
 from .refs import REF_PREFIX, Ref, decode_ref_owner, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
 from .templates import Template, parse_template, template_key
+
+if TYPE_CHECKING:
+    from .config import NodeConfig
 
 log = logging.getLogger("strata.store")
 
@@ -706,3 +709,10 @@ def open_backend(spec: str, *, endpoint: str = "", region: str = "", path_style:
     else:
         inner = LocalDirBackend(spec, create=create)
     return RetryingBackend(inner, attempts=retry_attempts)
+
+
+def open_node_backend(config: NodeConfig, spec: str) -> Backend:
+    """The bare backend of store `spec` reached with the node's S3 settings
+    (endpoint, region, path style): the remote this node writes its hold in,
+    or the shared store a gateway reads node records from."""
+    return open_backend(spec, endpoint=config.s3_endpoint, region=config.s3_region, path_style=config.path_style)

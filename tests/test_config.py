@@ -1,4 +1,4 @@
-"""layerstore/config.py: the one configuration schema, and the README's copy of it."""
+"""layerstore/config.py: the one configuration schema, and deploy/README.md's copy of it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readme_documents_the_schema_as_it_is() -> None:
-    assert config_reference() in (ROOT / "README.md").read_text()
+    """deploy/README.md's Configuration table is the schema's, exactly."""
+    assert config_reference() in (ROOT / "deploy" / "README.md").read_text()
 
 
 def test_parsers() -> None:
@@ -33,7 +34,7 @@ def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
                          "STRATA_ADMIN_KEYS": "a" * 8, "STRATA_STATE_DIR": str(tmp_path)})
     assert c.store == "/srv/store" and c.port == 9100 and c.warm_pool == {"base": 2, "other": 1}
     assert c.api_keys == (("default", "k" * 8), ("default", "a" * 8)) and c.admin_keys == (("default", "a" * 8),)
-    assert c.mount == tmp_path / "mnt" and c.s3_path_style == "true"
+    assert c.mount == tmp_path / "mnt" and c.s3_path_style == "true" and c.path_style
     assert NodeConfig.load({"STRATA_CONFIG": str(config)}, port=9200).port == 9200
     (tmp_path / "empty.toml").write_text("")
     again = NodeConfig.load({**c.env(), "STRATA_CONFIG": str(tmp_path / "empty.toml")})
@@ -52,6 +53,8 @@ def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
     ({"STRATA_TEAM_MAX_STORED": "ops=lots"}, "STRATA_TEAM_MAX_STORED"),
     ({"STRATA_ADMIN_KEYS": "dev-admin-key-change-me"}, "STRATA_ADMIN_KEYS: a key is still a placeholder"),
     ({"STRATA_SANDBOX_TIMEOUT": "2d"}, "longer than STRATA_MAX_TIMEOUT"), ({"STRATA_STORE": None}, "store is required"),
+    ({"STRATA_NETWORK_ENABLED": "yes please"}, "STRATA_NETWORK_ENABLED: 'yes please' is not true or false"),
+    ({"STRATA_S3_PATH_STYLE": "1"}, "STRATA_S3_PATH_STYLE: '1' is not true or false"),
 ])
 def test_bad_values_name_their_field(tmp_path: Path, env: dict, message: str) -> None:
     full = {"STRATA_STORE": "/s", "STRATA_CONFIG": str(tmp_path / "absent.toml"), **env}
@@ -59,6 +62,20 @@ def test_bad_values_name_their_field(tmp_path: Path, env: dict, message: str) ->
     (tmp_path / "absent.toml").write_text("")
     with pytest.raises(InvalidInput, match=message):
         NodeConfig.load(full)
+
+
+def test_booleans_are_parsed_once(tmp_path: Path) -> None:
+    """A boolean setting is a bool from the file (a TOML boolean or its text) or the
+    environment (true/false, any case); env() writes it back as true/false."""
+    config = tmp_path / "c.toml"
+    config.write_text('store = "/s"\n[network]\nenabled = true\ninternet = "FALSE"\n')
+    c = NodeConfig.load({"STRATA_CONFIG": str(config)})
+    assert c.network_enabled is True and c.network_internet is False and c.path_style  # s3_path_style unset
+    assert c.env()["STRATA_NETWORK_ENABLED"] == "true" and c.env()["STRATA_NETWORK_INTERNET"] == "false"
+    c = NodeConfig.load({"STRATA_CONFIG": str(config), "STRATA_NETWORK_ENABLED": "False",
+                         "STRATA_S3_PATH_STYLE": "False"})
+    assert c.network_enabled is False and c.s3_path_style == "false" and not c.path_style
+    assert NodeConfig.load({"STRATA_CONFIG": str(config)}).store_options()["s3_path_style"] is True
 
 
 def test_bad_files(tmp_path: Path) -> None:

@@ -80,7 +80,7 @@ def _egress(args: argparse.Namespace, ctx: NodeContext, current: Egress | None =
     elif current is not None:
         internet = current.internet
     else:
-        internet = ctx.config.network_internet == "true"
+        internet = ctx.config.network_internet
     return Egress.parse(internet, args.allow_out or [], args.deny_out or [])
 
 
