@@ -42,6 +42,10 @@ def test_lifecycle_across_processes(node: Mount, tmp_path: Path) -> None:
     r = m.strata("sandbox", "exec", "box", "--", "echo parent > /root/who; sync; cat /root/who")
     assert r.stdout.strip() == "parent"
     assert m.strata("sandbox", "exec", "box", "--", "exit 7", check=False).returncode == 7
+    r = m.strata("sandbox", "exec", "box", "--", "sh", "-c", "echo a; echo b; echo c")  # several words: argv
+    assert r.stdout == "a\nb\nc\n"
+    r = m.strata("sandbox", "exec", "box", "--", "printf", "[%s]", "a b", "$HOME", "it's", ";", "*")
+    assert r.stdout.rstrip("\n") == "[a b][$HOME][it's][;][*]"
     assert m.stats()["pinned"] > 0  # the running VM's disk pins its chunks
 
     assert j(m, "pause", "box")["state"] == "paused"

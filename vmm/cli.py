@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -125,12 +126,21 @@ def cmd_ls(args: argparse.Namespace, ctx: NodeContext) -> int:
     return 0
 
 
+def shell_line(words: list[str]) -> str:
+    """What the guest's `sh -c` runs for the words after `--`: one word is a
+    command line as typed (`-- 'echo hi > f; uname -r'`); several are argv,
+    each quoted, as `docker exec` and `kubectl exec` pass them (joined with
+    bare spaces, `-- sh -c 'echo a; echo b'` ran `sh -c echo a; echo b`)."""
+    words = words[1:] if words[:1] == ["--"] else words
+    if not words or not words[0]:
+        raise InvalidInput("no command given: strata sandbox exec SID -- COMMAND...")
+    return words[0] if len(words) == 1 else shlex.join(words)
+
+
 def cmd_exec(args: argparse.Namespace, ctx: NodeContext) -> int:
     out = ctx.out
     node = ctx.sandboxes()
-    command = " ".join(args.command)
-    if not command:
-        raise InvalidInput("no command given: strata sandbox exec SID -- COMMAND...")
+    command = shell_line(args.command)
     result = node.exec(args.sid, command, timeout=args.timeout, max_output=ctx.config.exec_output_limit)
     out.result({"sid": args.sid, "exit_code": result.exit_code, "output": result.output,
                 "truncated": result.dropped > 0},
