@@ -39,6 +39,7 @@ from .catalogue import RECENT, Catalogue
 from .control import MountSettings, check_mountpoint, control_socket
 from .fs import StrataFS
 from .malloc import keep_freed_memory, warm_heap
+from .paths import MountPaths
 from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved,
                        Handlers, ListDisks, MountStats, Pin, Pinned, Ping, Pong, Prefetch, PrefetchRecorded,
                        PrefetchStarted, RecordPrefetch, RemoveDisk, Seal, Sealed, Shutdown, ShuttingDown,
@@ -76,6 +77,7 @@ class Daemon:
 
     def __init__(self, mountpoint: Path, catalogue: Catalogue, socket_path: Path) -> None:
         self.mountpoint = mountpoint
+        self.paths = MountPaths(mountpoint)
         self.cat = catalogue
         self.socket_path = socket_path
         self.fs = StrataFS(catalogue)
@@ -105,15 +107,13 @@ class Daemon:
                           memory_hits=self.cat.fetcher.memory_hits, sources=dict(self.cat.store.sources),
                           disks=len(self.cat.sandboxes), open_files=self.fs.open_handles())
 
-    def _disk_path(self, sid: str) -> Path:
-        return self.mountpoint / "sandboxes" / sid / "disk.img"
-
     def create_disk(self, r: CreateDisk) -> DiskInfo:
         upper = self.cat.create_sandbox(r.sid, image=r.image, manifest=r.manifest, size=r.size, volatile=r.volatile)
-        return self.cat.sandbox_info(upper, self._disk_path(upper.sid))
+        return self.cat.sandbox_info(upper, self.paths.sandbox(upper.sid))
 
     def list_disks(self, _r: ListDisks) -> DiskList:
-        return DiskList([self.cat.sandbox_info(u, self._disk_path(u.sid)) for u in list(self.cat.sandboxes.values())])
+        return DiskList([self.cat.sandbox_info(u, self.paths.sandbox(u.sid))
+                         for u in list(self.cat.sandboxes.values())])
 
     def remove_disk(self, r: RemoveDisk) -> DiskRemoved:
         self.cat.remove_sandbox(r.sid)

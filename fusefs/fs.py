@@ -1,11 +1,6 @@
 """The FUSE filesystem (pyfuse3 + trio): images, layers and sandbox disks as flat files.
 
-    MOUNT/
-      images/NAME:TAG/disk.img        read-only, lazily fetched
-      layers/<manifest id>/disk.img   any layer stack by id, read-only
-      snapshots/<id>/{disk.img,memory,state}   a VM snapshot's layers, read-only
-      sandboxes/SID/disk.img          copy-on-write over an image (read-write)
-
+The tree (images/, layers/, snapshots/, sandboxes/) is paths.py's.
 This module only translates FUSE requests into calls on `Node` objects;
 chunk fetching, caching and copy-on-write live in fetch.py, cache.py and
 upper.py. Blocking work (disk, network) runs in worker threads via
@@ -39,6 +34,7 @@ from layerstore.digest import is_digest
 from layerstore.errors import Conflict, CorruptObject, InvalidInput, MissingChunk, NotFound, StrataError
 from layerstore.refs import parse_ref
 
+from .paths import DISK, IMAGES, LAYERS, SANDBOXES, SNAPSHOT_FILES, SNAPSHOTS
 from .upper import UpperLayer
 from .view import LayerView
 
@@ -131,10 +127,10 @@ class StrataFS(pyfuse3.Operations):
         self.readahead = ThreadPoolExecutor(4, thread_name_prefix="strata-readahead")
         root = Node(pyfuse3.ROOT_INODE, "", pyfuse3.ROOT_INODE, True)
         self._nodes[root.inode] = root
-        self.images = self._mkdir(root, "images")
-        self.layers = self._mkdir(root, "layers")
-        self.snapshots = self._mkdir(root, "snapshots")
-        self.sandboxes = self._mkdir(root, "sandboxes")
+        self.images = self._mkdir(root, IMAGES)
+        self.layers = self._mkdir(root, LAYERS)
+        self.snapshots = self._mkdir(root, SNAPSHOTS)
+        self.sandboxes = self._mkdir(root, SANDBOXES)
 
     # tree -------------------------------------------------------------------
     def _mkdir(self, parent: Node, name: str, key: str = "") -> Node:
@@ -154,7 +150,7 @@ class StrataFS(pyfuse3.Operations):
             if sid in self.sandboxes.children:
                 raise InvalidInput(f"sandbox {sid} is already mounted")
             d = self._mkdir(self.sandboxes, sid, key=f"sandbox:{sid}")
-            self._mkfile(d, "disk.img", upper=upper)
+            self._mkfile(d, DISK, upper=upper)
 
     def remove_sandbox(self, sid: str) -> None:
         with self._lock:
@@ -173,7 +169,7 @@ class StrataFS(pyfuse3.Operations):
         # sandbox re-created under the same id (resume after pause) must not
         # be looked up through the stale entry. Called from the control
         # thread, never from a request handler, so the synchronous form is safe.
-        for parent, name in ((inode, "disk.img"), (self.sandboxes.inode, sid)):
+        for parent, name in ((inode, DISK), (self.sandboxes.inode, sid)):
             try:
                 pyfuse3.invalidate_entry(parent, name.encode())
             except (OSError, RuntimeError) as exc:  # ENOENT: the kernel had not cached it
@@ -212,7 +208,7 @@ class StrataFS(pyfuse3.Operations):
             if inode is not None:
                 return self._nodes[inode]
             d = self._mkdir(self.images, name, key=f"image:{name}")
-            self._mkfile(d, "disk.img", view=view)
+            self._mkfile(d, DISK, view=view)
             return d
 
     def _layer_dir(self, manifest_id: str) -> Node | None:
@@ -228,7 +224,7 @@ class StrataFS(pyfuse3.Operations):
             return None
         with self._lock:
             d = self._mkdir(self.layers, manifest_id, key=f"layer:{manifest_id}")
-            self._mkfile(d, "disk.img", view=view)
+            self._mkfile(d, DISK, view=view)
             return d
 
     def _snapshot_dir(self, snapshot_id: str) -> Node | None:
@@ -241,8 +237,7 @@ class StrataFS(pyfuse3.Operations):
             return None
         try:
             snap = self.cat.store.get_snapshot(snapshot_id)
-            views = {name: self.cat.view_for_manifest(snap.layers[role])
-                     for name, role in (("disk.img", "disk"), ("memory", "memory"), ("state", "state"))}
+            views = {name: self.cat.view_for_manifest(snap.layers[role]) for role, name in SNAPSHOT_FILES.items()}
         except (NotFound, CorruptObject) as exc:
             log.warning("snapshot %s not served: %s", snapshot_id, exc)
             return None
@@ -252,7 +247,7 @@ class StrataFS(pyfuse3.Operations):
                 return self._nodes[inode]
             d = self._mkdir(self.snapshots, snapshot_id, key=f"snapshot:{snapshot_id}")
             for name, view in views.items():
-                self._mkfile(d, name, view=view).private_map = name == "memory"
+                self._mkfile(d, name, view=view).private_map = name == SNAPSHOT_FILES["memory"]
             return d
 
     def _node(self, inode: int) -> Node:

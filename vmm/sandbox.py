@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fusefs.client import MountClient
+from fusefs.paths import MountPaths
 from layerstore import inventory
 from layerstore.errors import Conflict, InvalidInput, MissingChunk, NotFound, StrataError
 from layerstore.importer import import_image
@@ -102,6 +103,7 @@ class Sandboxes:
         self.store = store
         self.client = client  # the mount daemon: sandbox disks, seals, cache
         self.mount = client.mountpoint  # VM specs name files on the mount
+        self.paths = MountPaths(self.mount)
         self.backend = backend
         self.guest_dir = guest_dir
         self.registry = Registry(work_root)
@@ -183,7 +185,7 @@ class Sandboxes:
         path = self.guest_dir / name
         with self._guard:
             same = self._boot_layers.get(name) == layer and self._boot_signatures.get(name) == _signature(path)
-        return path if same else self.mount / "layers" / layer / "disk.img"
+        return path if same else self.paths.layer(layer)
 
     def _new_sid(self, sid: str | None) -> str:
         sid = sid or new_sid()
@@ -325,7 +327,7 @@ class Sandboxes:
             self.registry.save(record)
             return self._start(record, VmSpec(
                 kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
-                disk=self.mount / "sandboxes" / sid / "disk.img", workdir=work, memory_mib=memory,
+                disk=self.paths.sandbox(sid), workdir=work, memory_mib=memory,
                 cmdline=DEFAULT_CMDLINE, memory_file=self._memory_path(sid)),
                 {"image": str(ref), **({"size": disk_size} if disk_size else {})}, self._zero_memory(memory))
 
@@ -347,7 +349,7 @@ class Sandboxes:
             if memory_sid(sid) in disks:
                 self.client.remove_disk(memory_sid(sid))
             kernel, initrd = self._boot_files(record)
-            spec = VmSpec(kernel=kernel, initrd=initrd, disk=self.mount / "sandboxes" / sid / "disk.img",
+            spec = VmSpec(kernel=kernel, initrd=initrd, disk=self.paths.sandbox(sid),
                           workdir=self.registry.workdir(sid), memory_mib=record.memory_mib, cmdline=DEFAULT_CMDLINE,
                           memory_file=self._memory_path(sid))
             self.client.create_disk(memory_sid(sid), manifest=self._zero_memory(record.memory_mib), volatile=True)
@@ -595,13 +597,12 @@ class Sandboxes:
                                snap.layers["memory"], state_layer=snap.layers["state"])
 
     def _restore_spec(self, snapshot_id: str, snap: Snapshot, work: Path) -> VmSpec:
-        served = self.mount / "snapshots" / snapshot_id
         return VmSpec(
             kernel=self._boot_file("vmlinuz", str(snap.vm["kernel"])),
             initrd=self._boot_file("initramfs.cpio.gz", str(snap.vm["initrd"])),
-            disk=self.mount / "sandboxes" / work.name / "disk.img", workdir=work,
+            disk=self.paths.sandbox(work.name), workdir=work,
             memory_mib=int(snap.vm["memory_mib"]), cmdline=str(snap.vm["cmdline"]),  # type: ignore[arg-type]
-            memory_file=self._memory_path(work.name), incoming=served / "state")
+            memory_file=self._memory_path(work.name), incoming=self.paths.snapshot(snapshot_id, "state"))
 
     def suspend(self, sid: str) -> str:
         """Snapshot, then stop the VM and drop its upper layers: the sandbox
@@ -798,7 +799,7 @@ class Sandboxes:
         return (egress or Egress()).as_record() if nic else None
 
     def _memory_path(self, sid: str) -> Path:
-        return self.mount / "sandboxes" / memory_sid(sid) / "disk.img"
+        return self.paths.sandbox(memory_sid(sid))
 
     def _zero_memory(self, memory_mib: int) -> str:
         """The layer a booted VM's RAM starts from: all holes (costs nothing to store)."""
