@@ -221,7 +221,7 @@ FAULT_FIGURES = pytest.StashKey[dict[str, int]]()
 @pytest.fixture
 def fault_ledger(request: pytest.FixtureRequest) -> dict[str, int]:
     """Counters a fault test adds to: faults it injected, bytes it verified
-    end to end afterwards, 5xx answers it saw. The README's fault matrix
+    end to end afterwards, 5xx answers it saw. tests/README.md's fault matrix
     quotes the totals this prints."""
     return request.config.stash.setdefault(FAULT_FIGURES, {"faults injected": 0, "bytes verified": 0,
                                                            "5xx responses": 0})

@@ -6,7 +6,7 @@ process, the SeaweedFS server vanishing mid-request) at random moments, then
 checks the two promises: the user gets a clear error, never wrong data; and
 nothing that was committed before the fault is lost (every byte read back
 and compared). The figures (faults injected, bytes verified, 5xx answers)
-add up in `fault_ledger` and are printed at the end of the run; the README's
+add up in `fault_ledger` and are printed at the end of the run; tests/README.md's
 fault matrix quotes them and names the tests covering the other rows
 (corrupt chunks, full cache disk, lying peers, guest floods, teams).
 
