@@ -1,22 +1,22 @@
 """One node's sandbox service: the API's semantics on top of `vmm.Sandboxes`.
 
 What E2B's API means and the VMM layer does not know about lives here:
-templates (a named image or snapshot) -> boot or restore; lifetimes (a TTL
-per sandbox, kill or pause on expiry, a retention limit for paused ones);
-E2B's "pause" = suspend (snapshot, then free the VM: a paused sandbox costs
-the node only its record); a warm pool of pre-restored, vCPU-paused
-sandboxes per template; the node's capacity limit; metrics.
+templates (a named image or snapshot) -> boot or restore; E2B's "pause" =
+suspend (snapshot, then free the VM: a paused sandbox costs the node only
+its record); the node's capacity and each team's quota. The rest is in
+services of their own, each with one job:
+
+    access     api/access.py     data-plane and port tokens
+    lifetimes  api/lifetimes.py  what happens when a sandbox's time is up
+    pools      api/pools.py      warm pools of pre-restored sandboxes
+    cluster    api/cluster.py    the node's record, placements, takeovers
+    catalog    api/catalog.py    snapshots, templates, images, chunks
+    maintenance api/maintenance.py  GC, push, pull, the hold in the remote
+    builds     api/builds.py     template builds
 
 Everything persistent is in the sandbox records (vmm/registry.py) and the
 store, so a restarted node lists its paused sandboxes and resumes them.
-A reaper thread applies lifetimes once a second; a pool thread refills
-warm pools. `reap(now)` and `fill_pools()` are plain methods so tests drive
-them directly.
-
-Besides sandboxes, the node answers for what its store names (`catalog`:
-snapshots, templates, images, chunks), for operator work on its stores
-(`maintenance`: GC, push, pull) and for its mount daemon's chunk cache. The
-HTTP layer (api/app.py, api/routes/) calls one of these per request.
+The HTTP layer (api/app.py, api/routes/) calls one action per request.
 """
 
 from __future__ import annotations
@@ -24,46 +24,46 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
-from layerstore.nodes import Heartbeat, node_id_of, read_nodes
+from layerstore.nodes import node_id_of
 from layerstore.refs import parse_ref
 from layerstore.store import Store
 from layerstore.templates import check_template_name
-from vmm.agent import Agent, GuestMetrics
+from vmm.agent import GuestMetrics
 from vmm.domain_gate import DomainGate
 from vmm.egress import Egress
 from vmm.events import LEVELS, Event
-from vmm import placement
-from vmm.registry import SandboxRecord, new_sid, record_of
+from vmm.registry import SandboxRecord, new_sid
 from vmm.resolver import Resolver
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
 from . import listing
 from . import models as m
+from .access import Access
 from .builds import BUILD_KEY, Builds
 from .catalog import Catalog
-from .exceptions import Capacity, Forbidden
+from .cluster import Cluster
+from .exceptions import Capacity
+from .lifetimes import Lifetimes
 from .maintenance import Maintenance
 from .metrics import Metrics
+from .pools import POOL_KEY, WarmPools
 from .supervisor import MountSupervisor
-from .connect import ConnectError
-from .envd import Target, Watchers, new_token
-from .teams import ADMIN, Caller, caller_of, check_quota, same_secret
+from .envd import Watchers, new_token
+from .teams import ADMIN, Caller, check_quota
 from .uploads import reap as reap_uploads
 
 log = logging.getLogger("strata.api")
-POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
-TEAMS_TTL = 2.0  # seconds other nodes' team counts are reused for quota checks
 HOLD_EVERY = 600.0  # seconds between rewrites of this node's hold in its remote (deletes shrink it)
 RESERVED_METADATA = "strata."  # metadata keys only the node sets (a client's would hide its sandbox)
 
@@ -90,19 +90,19 @@ class Node:
         self._resolver: Resolver | None = None
         self._gate: DomainGate | None = None
         self._vmm_time = threading.local()
-        self._pool_lock = threading.Lock()
-        self._pool_retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
         self._capacity_lock = threading.Lock()
-        self._elsewhere: tuple[float, dict[str, int]] = (-TEAMS_TTL, {})  # (read at, team -> sandboxes on other nodes)
         self._reserved: dict[str, str] = {}  # ids of sandboxes being created -> their team
         self._hold_stale = threading.Event()  # a name was deleted: rewrite the hold now
         self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
                                node_users=boxes.registry.snapshot_users, deleted=self._hold_stale.set)
         self.node_id = node_id_of(Path(config.state_dir))
-        self.maintenance = Maintenance(store, config, gc_roots=self.gc_roots, node_id=self.node_id)
-        self._heartbeat: Heartbeat | None = None
+        self.cluster = Cluster(config, store, boxes, node_id=self.node_id)
+        self.maintenance = Maintenance(store, config, gc_roots=self.cluster.roots, node_id=self.node_id)
         self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: POOL_KEY in r.metadata)
         self.watchers = Watchers()
+        self.access = Access(config, boxes, self.record)
+        self.lifetimes = Lifetimes(config, boxes, self.cluster, failed=metrics.error)
+        self.pools = WarmPools(config.warm_pool, boxes, self._start_pooled, failed=metrics.error)
         self.builds = Builds(self, Path(config.state_dir) / "template-files")
 
     # background work ---------------------------------------------------------------
@@ -112,9 +112,7 @@ class Node:
         network = self.boxes.network
         if network is not None:  # before any VM starts: theirs need the node's side
             network.prepare()
-        self._heartbeat = Heartbeat(self._record_backends(), self.node_id, self.gc_roots, about=self.about,
-                                    ttl=self.config.node_ttl)
-        self._heartbeat.start()
+        self.cluster.start()
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
         for record in self.boxes.registry.all():
@@ -131,7 +129,7 @@ class Node:
                     self.boxes.registry.workdir(record.sid)):
                 self._vm_gone(record)
             elif record.state == "suspended" and template is None:
-                self._still_ours(record)
+                self.cluster.still_ours(record)
         if network is not None:
             for sid in self.boxes.reconcile_network():
                 log.info("removed the network of sandbox %s, whose VM is gone", sid)
@@ -140,31 +138,11 @@ class Node:
             self._resolver.start()
             self._gate = DomainGate(network, self._resolver.lookup, port=self.config.network_gate_port)
             self._gate.start()
-        for target in (self._reaper, self._pooler, self._holder):
-            thread = threading.Thread(target=target, name=f"strata-{target.__name__.strip('_')}", daemon=True)
+        for name, target in (("reaper", self._reaper), ("pooler", partial(self.pools.run, self._stop)),
+                             ("holder", self._holder)):
+            thread = threading.Thread(target=target, name=f"strata-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
-
-    def _still_ours(self, record: SandboxRecord, *, publish: bool = True) -> None:
-        """A paused sandbox another node took over is forgotten here; at start
-        (`publish`), one the store has no record of is published. A store
-        that fails is logged: the next check asks again."""
-        try:
-            seen = placement.read(self.store.backend, record.sid)
-        except StrataError as exc:
-            log.error("sandbox %s: reading its placement: %s", record.sid, exc)
-            return
-        if seen is not None and seen.node != self.node_id:
-            log.warning("sandbox %s: taken over by node %s; forgetting it here", record.sid, seen.node)
-            self._quietly(self.boxes.forget, record.sid)
-        elif publish and (seen is None or seen.record is None):
-            self._paused(record.sid)
-
-    def forget_moved(self) -> None:
-        """Forget the paused sandboxes other nodes took over (every 30 s, from the reaper)."""
-        for record in self.boxes.registry.all():
-            if record.state == "suspended" and POOL_KEY not in record.metadata:
-                self._still_ours(record, publish=False)
 
     def _reap_leftovers(self) -> None:
         """Files a killed server or writer left: partial uploads, store temp files."""
@@ -185,26 +163,14 @@ class Node:
             log.warning("sandbox %s: its VM is gone; paused at its last snapshot %s", record.sid, record.last_snapshot)
             self._quietly(self.boxes.back_to_snapshot, record.sid, "its VM was gone when the node started: paused "
                                                                    "at its last snapshot")
-            self._paused(record.sid)
+            self.cluster.paused(record.sid)
             return
         log.warning("sandbox %s: its VM is gone (host restarted?) and it has no snapshot; removing it", record.sid)
         self._quietly(self.boxes.kill, record.sid)
-        self._unplaced(record.sid)
-
-    def _record_backends(self) -> list:
-        """Where this node publishes its record: its store, and its remote (whose GC must keep
-        what it pulled manifests-only)."""
-        from layerstore.store import open_node_backend
-
-        backends = [self.store.backend]
-        c = self.config
-        if c.remote and c.remote != c.store:
-            backends.append(open_node_backend(c, c.remote))
-        return backends
+        self.cluster.unplaced(record.sid)
 
     def stop(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()  # the record stays: VMs outlive the service (GC sees it go stale)
+        self.cluster.stop()
         self._stop.set()
         self._hold_stale.set()  # wakes the holder, which sees the stop
         if self._resolver is not None:
@@ -219,13 +185,13 @@ class Node:
         while not self._stop.wait(1.0):
             if time.monotonic() >= moved_check:
                 moved_check = time.monotonic() + 30
-                self.forget_moved()
+                self.cluster.forget_moved()
                 self._quietly_os(self.builds.reap_uploads, time.time())
             try:
                 self.supervisor.check(time.time())
             except (OSError, StrataError) as exc:  # never let the reaper thread die
                 log.error("checking the mount daemon: %s", exc)
-            self.reap(time.time())
+            self.lifetimes.reap(time.time())
             try:
                 self.boxes.rotate_logs(limit=self.config.console_log_limit)
             except (OSError, StrataError) as exc:  # a full disk, a record being rewritten: next second
@@ -242,11 +208,6 @@ class Node:
                 log.warning("rewriting this node's hold in its remote: %s", exc)
             self._hold_stale.wait(HOLD_EVERY)
 
-    def _pooler(self) -> None:
-        while not self._stop.is_set():
-            self.fill_pools()
-            self._stop.wait(2.0)
-
     def _quietly_os(self, action: object, *args: object) -> None:
         """`action(*args)`, an OSError logged (a full or failing disk: next time)."""
         try:
@@ -260,64 +221,6 @@ class Node:
         except StrataError as exc:
             log.error("%s%s: %s", getattr(action, "__name__", action), args, exc)
             self.metrics.error(exc)
-
-    def reap(self, now: float) -> list[tuple[str, str]]:
-        """Apply lifetimes: expired sandboxes are paused (autoPause) or killed;
-        paused ones past the retention limit are removed. Returns what was done."""
-        done = []
-        for record in self.boxes.registry.all():
-            if POOL_KEY in record.metadata:
-                continue
-            if record.state == "suspended":
-                if record.suspended_at is not None and now - record.suspended_at > self.config.paused_retention:
-                    self._quietly(self.boxes.kill, record.sid)
-                    done.append((record.sid, "reclaimed"))
-            elif record.end_at is not None and now >= record.end_at:
-                if record.auto_pause:
-                    self._quietly(self.boxes.suspend, record.sid)
-                    self._paused(record.sid)
-                    done.append((record.sid, "paused"))
-                else:
-                    self._quietly(self.boxes.kill, record.sid)
-                    done.append((record.sid, "killed"))
-        for sid, action in done:
-            log.info("sandbox %s: timeout reached, %s", sid, action)
-            if action != "paused":
-                self._unplaced(sid)
-        return done
-
-    # warm pool -------------------------------------------------------------------------
-    def _pool(self, template: str) -> list[SandboxRecord]:
-        return [r for r in self.boxes.registry.all() if r.metadata.get(POOL_KEY) == template]
-
-    def fill_pools(self) -> int:
-        """Top every configured pool up to its size; returns sandboxes added."""
-        added = 0
-        for template, size in self.config.warm_pool.items():
-            if self._pool_retry.get(template, 0.0) > time.monotonic():
-                continue  # failed recently (e.g. the template does not exist yet): don't spin
-            while not self._stop.is_set() and len(self._pool(template)) < size:
-                try:
-                    source = self.source(template)
-                    sb = self.start_sandbox(source, sid=new_sid(), metadata={POOL_KEY: template}, timeout=None,
-                                     auto_pause=False)
-                    self.boxes.pause(sb.sid)
-                    added += 1
-                except StrataError as exc:
-                    log.error("warm pool %s: %s (retrying in 30 s)", template, exc)
-                    self.metrics.error(exc)
-                    self._pool_retry[template] = time.monotonic() + 30.0
-                    break
-        return added
-
-    def _take_from_pool(self, template: str) -> SandboxRecord | None:
-        with self._pool_lock:
-            for record in self._pool(template):
-                if record.state == "paused" and self.boxes.backend.is_running(self.boxes.registry.workdir(record.sid)):
-                    record.metadata.pop(POOL_KEY)
-                    self.boxes.update(record.sid, metadata=record.metadata)
-                    return record
-        return None
 
     # helpers ---------------------------------------------------------------------------
     @contextmanager
@@ -376,32 +279,6 @@ class Node:
         caller.check_sees(record.team, f"sandbox {sid} not found")
         return record
 
-    def data_plane(self, sid: str, *, token: str | None, key: str | None, user: str) -> Target:
-        """The sandbox an envd request is for, if its access token (or an
-        API key of its team) says the caller may use it. A wrong token and
-        an unknown sandbox get the same answer."""
-        denied = ConnectError("unauthenticated", f"missing or invalid access token for sandbox {sid!r}")
-        if not sid:
-            raise ConnectError("invalid_argument", "the E2b-Sandbox-Id header is required")
-        try:
-            record = self.record(sid)
-        except NotFound:
-            raise denied from None
-        caller = caller_of(key, self.config) if key else None
-        if not (same_secret(token, record.access_token) or (caller is not None and caller.sees(record.team))):
-            raise denied
-
-        def agent_of() -> Agent:
-            try:
-                if self.boxes.registry.load(sid).state == "suspended":
-                    raise ConnectError("unavailable", f"sandbox {sid} is paused: resume it first")
-                return self.boxes.agent(sid)
-            except (NotFound, Conflict):
-                raise ConnectError("unavailable", f"sandbox {sid} is not running") from None
-
-        return Target(sid, agent_of, env=dict(record.env), user=user or record.user, cwd=record.cwd,
-                      log=lambda level, message: self.boxes.log_event(sid, level, message))
-
     def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
         return [r for r in self.boxes.registry.all()
                 if POOL_KEY not in r.metadata and BUILD_KEY not in r.metadata and caller.sees(r.team)]
@@ -413,7 +290,7 @@ class Node:
         between the check and the record. A build's sandbox holds a place
         like any other (only the warm pool's, which a create takes over, do not)."""
         limited = self.config.team_limit(self.config.team_max_sandboxes, caller.team) is not None
-        elsewhere = self.held_elsewhere(caller.team) if limited else 0
+        elsewhere = self.cluster.held_elsewhere(caller.team) if limited else 0
         with self._capacity_lock:
             records = [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
             held = {r.sid for r in records} | set(self._reserved)
@@ -437,6 +314,10 @@ class Node:
         with self._capacity([sid], Caller(team)):
             return self.start_sandbox(source, sid=sid, metadata={BUILD_KEY: build_id}, timeout=None,
                                       auto_pause=False, team=team)
+
+    def _start_pooled(self, template: str) -> SandboxRecord:
+        return self.start_sandbox(self.source(template), sid=new_sid(), metadata={POOL_KEY: template}, timeout=None,
+                                  auto_pause=False)
 
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
@@ -487,22 +368,6 @@ class Node:
         """The domain of sandbox hosts ({port}-{id}.{domain}), None when not configured."""
         return self.config.domain or None
 
-    def port_address(self, sid: str, token: str | None) -> str:
-        """Where the port proxy (api/ports.py) reaches sandbox `sid`: its
-        address on the node. Forbidden without the sandbox's traffic token
-        when its ports are not public."""
-        try:
-            record = self.boxes.registry.load(sid)
-        except NotFound:
-            raise NotFound(f"sandbox {sid} not found") from None
-        if record.traffic_token and not same_secret(token, record.traffic_token):
-            raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
-        if record.state == "suspended":
-            raise Conflict(f"sandbox {sid} is paused: resume it to reach its ports")
-        if record.network is None or self.boxes.network is None:
-            raise Conflict(f"sandbox {sid} has no network (config network.enabled)")
-        return self.boxes.network.link(sid).outside
-
     def set_network(self, caller: Caller, sid: str, *, internet: bool | None, allow: list[str],
                     deny: list[str]) -> SandboxRecord:
         """E2B's network update: allowOut and denyOut are replaced; allow_internet_access if given."""
@@ -523,8 +388,7 @@ class Node:
             self._check_disk_room(disk_mb)
         sid = new_sid()
         with self._capacity([sid], caller):
-            pooled = (self._take_from_pool(template_id)
-                      if template_id in self.config.warm_pool and not disk_mb else None)
+            pooled = None if disk_mb else self.pools.take(template_id)
             if pooled is not None:
                 with self.vmm("create"):
                     self.boxes.resume(pooled.sid)
@@ -538,7 +402,7 @@ class Node:
             else:
                 record = self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
                                             team=caller.team, env=env, disk_mb=disk_mb, egress=egress, public=public)
-        self._placed(record.sid)
+        self.cluster.placed(record.sid)
         return record
 
     def kill(self, caller: Caller, sid: str) -> None:
@@ -546,7 +410,7 @@ class Node:
         with self.vmm("kill"):
             self.boxes.kill(sid)
         self.watchers.drop_sandbox(sid)
-        self._unplaced(sid)
+        self.cluster.unplaced(sid)
 
     def pause(self, caller: Caller, sid: str) -> str:
         """E2B's pause: snapshot to the store and free the VM (Conflict if
@@ -558,16 +422,8 @@ class Node:
         self.catalog.check_snapshot_quota(Caller(record.team))  # a pause keeps a snapshot (the reaper's does not ask)
         with self.vmm("pause"):
             snapshot_id = self.boxes.suspend(sid)
-        self._paused(sid)
+        self.cluster.paused(sid)
         return snapshot_id
-
-    def _paused(self, sid: str) -> None:
-        """Publish a paused sandbox's record with its placement: any node may wake it (`_take_over`)."""
-        try:
-            record = asdict(self.boxes.registry.load(sid))
-        except StrataError:
-            return
-        placement.place(self.store.backend, sid, self.node_id, record=record)
 
     def resume(self, caller: Caller, sid: str, timeout: int | None) -> SandboxRecord:
         """Wake a paused sandbox: one of this node's, or one whose node is gone (taken over)."""
@@ -578,52 +434,32 @@ class Node:
         if record.state != "suspended":
             raise Conflict(f"sandbox {sid} is already running")
         ttl = self._ttl(timeout)
-        claimed = self._claim_own(sid)
+        claimed = self.cluster.claim_own(sid)
         try:
             with self.vmm("resume"):
                 woken = self.boxes.wake(sid, end_at=time.time() + ttl).record  # type: ignore[operator]
         except BaseException:
-            self._paused(sid)  # paused still: any node may wake it again
+            self.cluster.paused(sid)  # paused still: any node may wake it again
             raise
         if claimed:  # the claim already says it runs here
-            self._nudge()
+            self.cluster.nudge()
         else:
-            self._placed(sid)
+            self.cluster.placed(sid)
         return woken
-
-    def _claim_own(self, sid: str) -> bool:
-        """Before waking one of this node's paused sandboxes: make sure no other node took it
-        over (if one did, this node forgets it: NotFound), and say in the store that it is
-        waking here, so none takes it from now on. False if the store has no placement."""
-        seen = placement.read(self.store.backend, sid)
-        if seen is None:
-            return False  # created before placements, or the store lost it: nothing to claim
-        if seen.node != self.node_id:
-            self.boxes.forget(sid)
-            raise NotFound(f"sandbox {sid} was taken over by node {seen.node}")
-        if seen.record is not None and not placement.claim(self.store.backend, sid, self.node_id, seen):
-            raise Conflict(f"sandbox {sid} changed hands while waking: try again")
-        return True
 
     def _take_over(self, caller: Caller, sid: str, timeout: int | None) -> SandboxRecord:
         """Wake here a sandbox another node paused to the store (a gateway sends the
         resume here when that node is gone or full). The conditional claim decides
         if that node wakes it at the same moment; it forgets it when it next looks."""
-        backend = self.store.backend
-        seen = placement.read(backend, sid)
-        if seen is None or seen.node == self.node_id or seen.record is None:  # unknown here, or running
-            raise NotFound(f"sandbox {sid} not found on this node (only a paused sandbox moves between nodes)")
-        record = record_of(seen.record)
+        seen, record = self.cluster.paused_elsewhere(sid)
         if record.sid != sid or not caller.sees(record.team):
             raise NotFound(f"sandbox {sid} not found")
         ttl = self._ttl(timeout)
         with self._capacity([sid], caller):
-            if not placement.claim(backend, sid, self.node_id, seen, record=seen.record):
-                raise Conflict(f"sandbox {sid} is being taken over by another node")
-            log.info("sandbox %s: taking it over from node %s, which is gone", sid, seen.node)
+            self.cluster.claim_other(sid, seen)
             with self.vmm("resume"):
                 woken = self.boxes.adopt(record, end_at=time.time() + ttl).record  # type: ignore[operator]
-        self._placed(sid)
+        self.cluster.placed(sid)
         return woken
 
     def connect(self, caller: Caller, sid: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
@@ -670,7 +506,7 @@ class Node:
         records = [self.boxes.update(f.record.sid, access_token=new_token(),  # one token each
                                      traffic_token=new_token() if record.traffic_token else "") for f in forks]
         for fork in records:
-            self._placed(fork.sid)
+            self.cluster.placed(fork.sid)
         return records
 
     def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:
@@ -729,95 +565,13 @@ class Node:
         except StrataError:
             return {}
 
-    def gc_roots(self) -> list:
-        """What GC of a store this node uses must keep for it beyond the
-        store's refs, templates and snapshots: the layers its sandboxes'
-        disks and RAM sit on, the snapshots its paused sandboxes wake from,
-        and, when it has a remote, the images in its own store (pulled
-        manifests-only, their chunks live in the remote; a store's own refs
-        are its GC's roots already, and naming them here too would keep a
-        removed image until this node's next beat). Published in its node
-        record every third of `node_ttl`."""
-        from layerstore.reach import Name
-
-        names = [Name("layer", m) for m in self.boxes.client.disk_layers()]
-        names += [Name("snapshot", s) for s in self.boxes.registry.snapshot_users()]  # paused sandboxes wake from
-        if self.config.remote and self.config.remote != self.config.store:
-            names += [Name("layer", manifest) for _ref, manifest, _updated in self.store.list_refs()]
-        return names
-
-    def _placed(self, sid: str) -> None:
-        """Tell gateways: the placement record, and a fresh node record soon (one place fewer)."""
-        placement.place(self.store.backend, sid, self.node_id)
-        self._nudge()
-
-    def _unplaced(self, sid: str) -> None:
-        placement.unplace(self.store.backend, sid, holder=self.node_id)
-        self._nudge()
-
-    def _nudge(self) -> None:
-        """A fresh node record soon: what gateways place by changed."""
-        if self._heartbeat is not None:
-            self._heartbeat.nudge()
-
-    def about(self) -> dict:
-        """What this node's record tells gateways (layerstore/nodes.py): where
-        to reach it, how full it is, its warm pools and the templates its
-        sandboxes run (their chunks are in its cache)."""
-        held = 0
-        pools: dict[str, int] = {}
-        templates: dict[str, int] = {}
-        teams: dict[str, int] = {}  # sandboxes each team holds here, builds' too: quotas count the cluster's
-        for r in self.boxes.registry.all():
-            pool = r.metadata.get(POOL_KEY)
-            if pool is not None:
-                pools[pool] = pools.get(pool, 0) + 1
-                continue
-            teams[r.team] = teams.get(r.team, 0) + 1
-            if BUILD_KEY not in r.metadata:
-                held += 1
-                templates[r.template] = templates.get(r.template, 0) + 1
-        return {"url": self.url, "max": self.config.max_sandboxes, "held": held, "pools": pools,
-                "templates": templates, "teams": teams}
-
-    def held_elsewhere(self, team: str) -> int:
-        """Sandboxes `team` holds on the other live nodes of this store, as
-        their records said at most TEAMS_TTL seconds ago: a team's quota is
-        the cluster's, not each node's. A store that fails counts nothing
-        (the quota is then per node until it answers)."""
-        with self._capacity_lock:
-            read_at, counts = self._elsewhere
-        if time.monotonic() - read_at > TEAMS_TTL:
-            counts = {}
-            try:
-                for view in read_nodes(self.store.backend):
-                    if view.live and view.node != self.node_id:
-                        for name, n in (view.about.get("teams") or {}).items():
-                            counts[str(name)] = counts.get(str(name), 0) + (n if isinstance(n, int) else 0)
-            except StrataError as exc:
-                log.warning("reading other nodes' records for team quotas: %s", exc)
-            with self._capacity_lock:
-                self._elsewhere = (time.monotonic(), counts)
-        return counts.get(team, 0)
-
-    @property
-    def url(self) -> str:
-        """Where other nodes and gateways reach this node: config advertise_url, or
-        http://HOST:PORT (the host name when listening on every address)."""
-        if self.config.advertise_url:
-            return self.config.advertise_url
-        host = self.config.host
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostname()
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.config.port}"
-
     # what E2B's API shows of sandboxes ------------------------------------------------------
     def _disk_mb(self, record: SandboxRecord) -> int:
         """The sandbox disk's size as the mount shows it (0 once paused: the VM's disk is gone)."""
         if record.state == "suspended":
             return 0
         try:
-            return os.stat(self.boxes.mount / "sandboxes" / record.sid / "disk.img").st_size >> 20
+            return os.stat(self.boxes.paths.sandbox(record.sid)).st_size >> 20
         except OSError:
             return 0
 

@@ -59,7 +59,7 @@ class PortProxy:
         node = scope["app"].state.node
         token = next((v.decode("latin-1") for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), None)
         try:
-            address = node.port_address(sid, token)
+            address = node.access.port_address(sid, token)
         except StrataError as exc:
             await refuse(scope, send, errors.status_of(exc), str(exc))
             return

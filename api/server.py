@@ -22,7 +22,7 @@ log = logging.getLogger("strata.api")
 
 def watch_metrics(node: Node) -> None:
     """Gauges read at scrape time: sandboxes by state, the mount's cache, sandbox traffic."""
-    from .node import POOL_KEY
+    from .pools import POOL_KEY
 
     def states() -> dict[str, int]:
         counts = {"running": 0, "paused": 0, "pool": 0}

@@ -81,7 +81,7 @@ async def _target(request: Request, node: Any) -> tuple[Target, str]:
     """The sandbox the request may use, and the team it belongs to (whose
     long requests this one counts among)."""
     def authorize() -> tuple[Target, str]:
-        target = node.data_plane(sandbox_of(request), token=request.headers.get("x-access-token"),
+        target = node.access.data_plane(sandbox_of(request), token=request.headers.get("x-access-token"),
                                  key=request.headers.get("x-api-key"), user="")
         target.user = _user(request) or target.user  # the sandbox's default user unless named; after the token
         return target, node.record(target.sid).team or DEFAULT_TEAM

@@ -1,0 +1,73 @@
+"""Who may reach a sandbox other than through the API's key: its envd
+access token (the data plane) and its traffic token (its ports).
+
+A wrong token and an unknown sandbox get the same answer, so the data plane
+tells nobody which ids exist; tokens are compared in constant time
+(`teams.same_secret`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from layerstore.config import NodeConfig
+from layerstore.errors import Conflict, NotFound
+from vmm.agent import Agent
+from vmm.registry import SandboxRecord
+from vmm.sandbox import Sandboxes
+
+from .connect import ConnectError
+from .envd import Target
+from .exceptions import Forbidden
+from .teams import caller_of, same_secret
+
+
+class Access:
+    def __init__(self, config: NodeConfig, boxes: Sandboxes, record: Callable[[str], SandboxRecord]) -> None:
+        """`record(sid)` is a client-visible sandbox's record (NotFound for
+        the node's own: warm pools, builds)."""
+        self._config = config
+        self._boxes = boxes
+        self._record = record
+
+    def data_plane(self, sid: str, *, token: str | None, key: str | None, user: str) -> Target:
+        """The sandbox an envd request is for, if its access token (or an
+        API key of its team) says the caller may use it."""
+        denied = ConnectError("unauthenticated", f"missing or invalid access token for sandbox {sid!r}")
+        if not sid:
+            raise ConnectError("invalid_argument", "the E2b-Sandbox-Id header is required")
+        try:
+            record = self._record(sid)
+        except NotFound:
+            raise denied from None
+        caller = caller_of(key, self._config) if key else None
+        if not (same_secret(token, record.access_token) or (caller is not None and caller.sees(record.team))):
+            raise denied
+        boxes = self._boxes
+
+        def agent_of() -> Agent:
+            try:
+                if boxes.registry.load(sid).state == "suspended":
+                    raise ConnectError("unavailable", f"sandbox {sid} is paused: resume it first")
+                return boxes.agent(sid)
+            except (NotFound, Conflict):
+                raise ConnectError("unavailable", f"sandbox {sid} is not running") from None
+
+        return Target(sid, agent_of, env=dict(record.env), user=user or record.user, cwd=record.cwd,
+                      log=lambda level, message: boxes.log_event(sid, level, message))
+
+    def port_address(self, sid: str, token: str | None) -> str:
+        """Where the port proxy (api/ports.py) reaches sandbox `sid`: its
+        address on the node. Forbidden without the sandbox's traffic token
+        when its ports are not public."""
+        try:
+            record = self._boxes.registry.load(sid)
+        except NotFound:
+            raise NotFound(f"sandbox {sid} not found") from None
+        if record.traffic_token and not same_secret(token, record.traffic_token):
+            raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
+        if record.state == "suspended":
+            raise Conflict(f"sandbox {sid} is paused: resume it to reach its ports")
+        if record.network is None or self._boxes.network is None:
+            raise Conflict(f"sandbox {sid} has no network (config network.enabled)")
+        return self._boxes.network.link(sid).outside
