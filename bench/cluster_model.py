@@ -1,6 +1,6 @@
 """A scale model of a Strata cluster: 1,000 nodes x 100 sandboxes on one
 object store, for two fleets, fed by per-node figures measured on this
-machine (README, "Performance"). Nothing here runs a VM: it multiplies and
+machine (bench/README.md). Nothing here runs a VM: it multiplies and
 simulates, and says what each number rests on.
 
     .venv/bin/python bench/cluster_model.py [--nodes 1000] [--per-node 100] [--gateways 2] [--json FILE]
@@ -16,7 +16,7 @@ start time p50/p99 against the warm-pool size (an event simulation of one
 node's pool), the cache hit rate of placements by Strata's scheduler
 (`api.gateway.Cluster.schedule`, the real code) against random placement,
 and GC duration and request cost. The model, its inputs and its limits are
-in the README next to the tables.
+in bench/README.md next to the tables.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# Per-node inputs, measured here (README "Performance"; TCG guests, a local store, SeaweedFS on loopback).
+# Per-node inputs, measured here (bench/README.md; TCG guests, a local store, SeaweedFS on loopback).
 MEASURED = {
     "restore_cold_s": 0.711,    # create from a snapshot template, empty chunk cache (--measure replaces
     "restore_warm_s": 0.398,    # these four with this machine's figures; these are its run of 2026-12-04)

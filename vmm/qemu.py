@@ -83,7 +83,7 @@ def _absolute(spec: VmSpec) -> VmSpec:
 # QEMU still runs as the node's user (root): `-runas` would need the disk
 # reopened by fd (the block layer reopens it by path when a migration ends)
 # and the state stream passed as an fd, and restoring from an fd-passed
-# stream failed in our tests (README, "VMM confinement").
+# stream failed in our tests (vmm/README.md, "VMM confinement").
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=allow,resourcecontrol=deny"
 
 
