@@ -45,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.refs import parse_ref
@@ -53,10 +53,15 @@ from layerstore.templates import check_template_name, new_template
 from vmm.agent import Agent, Exit, output_events
 from vmm.registry import new_sid
 
+from .sources import Source
 from .teams import Caller, same_secret
 
 if TYPE_CHECKING:
-    from .node import Node, Source
+    from layerstore.store import Store
+    from vmm.registry import SandboxRecord
+    from vmm.sandbox import Sandboxes
+
+    from .catalog import Catalog
 
 log = logging.getLogger("strata.api")
 BUILD_KEY = "strata.build"  # metadata marking a build's sandbox (never listed)
@@ -92,11 +97,20 @@ class Build:
             self.logs.append(LogEntry(time.time(), level, message[:4000]))
 
 
+class Starter(Protocol):
+    """What a build asks of the node's sandbox lifecycle."""
+
+    def source(self, template_id: str, caller: Caller) -> Source: ...
+
+    def start_build_sandbox(self, source: Source, *, sid: str, build_id: str, team: str) -> "SandboxRecord": ...
+
+
 class Builds:
     """The node's template builds, by (name, build id)."""
 
-    def __init__(self, node: "Node", files: Path) -> None:
-        self.node = node
+    def __init__(self, starter: Starter, catalog: "Catalog", boxes: "Sandboxes", store: "Store",
+                 files: Path) -> None:
+        self._starter, self._catalog, self._boxes, self._store = starter, catalog, boxes, store
         self.files = files
         self._secret = secrets.token_bytes(32)  # signs upload URLs (the SDK PUTs without an API key)
         self._lock = threading.Lock()
@@ -107,7 +121,7 @@ class Builds:
         """A new build of template `name` (a new name, or one of the caller's: rebuilt)."""
         base = name.split(":", 1)[0]
         check_template_name(base)
-        self.node.catalog.check_template_free(caller, base)
+        self._catalog.check_template_free(caller, base)
         build = Build(base, secrets.token_hex(8), caller.team)
         with self._lock:
             self._builds[(base, build.build_id)] = build
@@ -191,20 +205,20 @@ class Builds:
                          name=f"strata-build-{name}").start()
         return build
 
-    def _base(self, caller: "Caller", spec: dict[str, Any]) -> "Source":
+    def _base(self, caller: "Caller", spec: dict[str, Any]) -> Source:
         if spec.get("fromTemplate"):
-            return self.node.source(str(spec["fromTemplate"]), caller)
+            return self._starter.source(str(spec["fromTemplate"]), caller)
         image = spec.get("fromImage")
         if not isinstance(image, str) or not image:
             raise InvalidInput("give fromTemplate or fromImage")
         try:
-            return self.node.source(str(parse_ref(image)), caller)
+            return self._starter.source(str(parse_ref(image)), caller)
         except NotFound:
             raise InvalidInput(f"image {image} is not in this node's store (nothing is pulled from registries): "
                                "import it with `strata image import`") from None
 
     # the build -------------------------------------------------------------------------
-    def _run(self, build: Build, base: "Source", steps: list[dict[str, Any]], spec: dict[str, Any]) -> None:
+    def _run(self, build: Build, base: Source, steps: list[dict[str, Any]], spec: dict[str, Any]) -> None:
         """The build, on its own thread; its sandbox is gone before the status says it ended."""
         sid, status = new_sid(), "error"
         try:
@@ -215,18 +229,18 @@ class Builds:
             build.log(f"build failed: {exc}", "error")
         finally:
             try:
-                self.node.boxes.kill(sid)
+                self._boxes.kill(sid)
             except StrataError:
                 pass
             build.status = status
 
-    def _build(self, build: Build, sid: str, base: "Source", steps: list[dict[str, Any]],
+    def _build(self, build: Build, sid: str, base: Source, steps: list[dict[str, Any]],
                spec: dict[str, Any]) -> None:
         started = time.monotonic()
         build.log(f"booting {base.template} as {sid}")
-        record = self.node.start_build_sandbox(base, sid=sid, build_id=build.build_id, team=build.team)
+        record = self._starter.start_build_sandbox(base, sid=sid, build_id=build.build_id, team=build.team)
         build.timings["boot"] = time.monotonic() - started
-        agent = self.node.boxes.agent(sid)
+        agent = self._boxes.agent(sid)
         state = {"env": dict(record.env), "cwd": record.cwd, "user": record.user}
         for n, step in enumerate(steps, 1):
             build.step = str(n)
@@ -235,10 +249,10 @@ class Builds:
         self._start_and_wait(build, agent, spec, state)
         mark = time.monotonic()
         build.log("snapshotting the running sandbox")
-        snapshot_id = self.node.boxes.snapshot(sid)
+        snapshot_id = self._boxes.snapshot(sid)
         build.timings["snapshot"] = time.monotonic() - mark
-        self.node.catalog.check_template_free(Caller(build.team), build.name)  # another team may have taken it since
-        self.node.store.put_template(new_template(build.name, "snapshot", snapshot_id, owner=build.team,
+        self._catalog.check_template_free(Caller(build.team), build.name)  # another team may have taken it since
+        self._store.put_template(new_template(build.name, "snapshot", snapshot_id, owner=build.team,
                                                   process=state))
         build.log(f"template {build.name} ready: snapshot {snapshot_id} (boot {build.timings['boot']:.1f} s, "
                   f"steps {build.timings['steps']:.1f} s, start {build.timings.get('start', 0):.1f} s, "

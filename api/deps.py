@@ -64,6 +64,6 @@ def vmm_timing(node: Node, response: Response) -> Iterator[None]:
     """Report the share of the enclosed node action spent in the VMM layer
     (Server-Timing), for clients and the benchmark. Used inside the route's
     own body because the node counts VMM time per thread."""
-    node.take_vmm_seconds()  # drop what a failed request left on this thread
+    node.lifecycle.take_vmm_seconds()  # drop what a failed request left on this thread
     yield
-    response.headers["Server-Timing"] = f"vmm;dur={node.take_vmm_seconds() * 1e3:.2f}"
+    response.headers["Server-Timing"] = f"vmm;dur={node.lifecycle.take_vmm_seconds() * 1e3:.2f}"

@@ -37,7 +37,7 @@ def watch_metrics(node: Node) -> None:
         return node.cache_stats().counters()
 
     def traffic() -> dict[str, dict[str, int]]:
-        return {r.sid: counters for r in node.boxes.registry.all() if (counters := node.traffic(r))}
+        return {r.sid: counters for r in node.boxes.registry.all() if (counters := node.lifecycle.traffic(r))}
 
     node.metrics.watch(states, cache, traffic)
 

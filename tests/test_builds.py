@@ -20,7 +20,7 @@ HASH = "ab" * 32
 
 
 def builds(tmp_path: Path) -> Builds:
-    return Builds(None, tmp_path / "files")  # type: ignore[arg-type]  # the upload space needs no node
+    return Builds(None, None, None, None, tmp_path / "files")  # type: ignore[arg-type]  # the upload space needs no node
 
 
 def test_a_link_is_good_for_its_team_template_and_hash_until_it_expires(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ async def _target(request: Request, node: Any) -> tuple[Target, str]:
         target = node.access.data_plane(sandbox_of(request), token=request.headers.get("x-access-token"),
                                  key=request.headers.get("x-api-key"), user="")
         target.user = _user(request) or target.user  # the sandbox's default user unless named; after the token
-        return target, node.record(target.sid).team or DEFAULT_TEAM
+        return target, node.lifecycle.record(target.sid).team or DEFAULT_TEAM
 
     return await run_in_threadpool(authorize)
 

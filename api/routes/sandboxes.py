@@ -22,9 +22,9 @@ NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
 def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: CallerDep) -> m.Sandbox:
     with vmm_timing(node, response):
         net = body.network or m.SandboxNetwork()
-        record = node.create(caller, body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
+        record = node.lifecycle.create(caller, body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
                              metadata=body.metadata, env=body.envVars, disk_mb=body.diskSizeMB,
-                             egress=node.egress(body.allow_internet_access, net.allowOut, net.denyOut),
+                             egress=node.lifecycle.egress(body.allow_internet_access, net.allowOut, net.denyOut),
                              public=net.allowPublicTraffic is not False)
     return m.Sandbox.of(record, domain=node.domain)
 
@@ -57,7 +57,7 @@ def many_metrics(node: NodeDep, caller: CallerDep,
     sids = [s for s in sandbox_ids.split(",") if s][:100]
     out = {}
     for sid in sids:
-        at, sample, traffic = node.metrics_of(caller, sid)
+        at, sample, traffic = node.lifecycle.metrics_of(caller, sid)
         out[sid] = m.SandboxMetric.of(at, sample, traffic)
     return m.SandboxesWithMetrics(sandboxes=out)
 
@@ -68,7 +68,7 @@ def sandbox_metrics(sandboxID: str, node: NodeDep, caller: CallerDep,
                     start: int | None = Query(None, description="unix seconds; a sample before it is not returned"),
                     end: int | None = Query(None, description="unix seconds; a sample after it is not returned")
                     ) -> list[m.SandboxMetric]:
-    at, sample, traffic = node.metrics_of(caller, sandboxID)
+    at, sample, traffic = node.lifecycle.metrics_of(caller, sandboxID)
     if (start is not None and at < start) or (end is not None and at > end + 1):
         return []
     return [m.SandboxMetric.of(at, sample, traffic)]
@@ -79,7 +79,7 @@ def sandbox_metrics(sandboxID: str, node: NodeDep, caller: CallerDep,
 def sandbox_logs(sandboxID: str, node: NodeDep, caller: CallerDep,
                  start: int | None = Query(None, description="milliseconds since the epoch"),
                  limit: int = Query(1000, ge=1, le=10000)) -> m.SandboxLogs:
-    rows = node.logs(caller, sandboxID, since=(start or 0) / 1e3, limit=limit)
+    rows = node.lifecycle.logs(caller, sandboxID, since=(start or 0) / 1e3, limit=limit)
     return m.SandboxLogs(logs=[m.SandboxLog(timestamp=m.timestamp(e.t), line=e.message) for e in rows],
                          logEntries=[m.SandboxLogEntry.of(e) for e in rows])
 
@@ -92,7 +92,7 @@ def sandbox_logs_v2(sandboxID: str, node: NodeDep, caller: CallerDep,
                     direction: str = Query("forward", pattern="^(forward|backward)$"),
                     level: str = Query("debug", pattern="^(debug|info|warn|error)$"),
                     search: str = Query("", max_length=256)) -> m.SandboxLogsV2:
-    rows = node.logs(caller, sandboxID, since=(cursor or 0) / 1e3, limit=limit, level=level, search=search,
+    rows = node.lifecycle.logs(caller, sandboxID, since=(cursor or 0) / 1e3, limit=limit, level=level, search=search,
                      backward=direction == "backward")
     return m.SandboxLogsV2(logs=[m.SandboxLogEntry.of(e) for e in rows])
 
@@ -106,7 +106,7 @@ def get_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep) -> m.SandboxDe
 def kill_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep) -> Response:
     response = Response(status_code=204)
     with vmm_timing(node, response):
-        node.kill(caller, sandboxID)
+        node.lifecycle.kill(caller, sandboxID)
     return response
 
 
@@ -115,7 +115,7 @@ def kill_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep) -> Response:
 def pause_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep, body: m.SandboxPauseRequest | None = None) -> Response:
     response = Response(status_code=204)
     with vmm_timing(node, response):
-        node.pause(caller, sandboxID)
+        node.lifecycle.pause(caller, sandboxID)
     return response
 
 
@@ -124,7 +124,7 @@ def pause_sandbox(sandboxID: str, node: NodeDep, caller: CallerDep, body: m.Sand
 def resume_sandbox(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
                    body: m.ResumedSandbox | None = None) -> m.Sandbox:
     with vmm_timing(node, response):
-        record = node.resume(caller, sandboxID, body.timeout if body else None)
+        record = node.lifecycle.resume(caller, sandboxID, body.timeout if body else None)
     return m.Sandbox.of(record, domain=node.domain)
 
 
@@ -137,7 +137,7 @@ CONNECT = dict(response_model=m.Sandbox,
 @router.post("/sandboxes/{sandboxID}/connect", operation_id="connect_sandbox", **CONNECT)
 def connect(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep, body: m.ConnectSandbox | None = None) -> m.Sandbox:
     with vmm_timing(node, response):
-        record, resumed = node.connect(caller, sandboxID, body.timeout if body else None)
+        record, resumed = node.lifecycle.connect(caller, sandboxID, body.timeout if body else None)
     response.status_code = 201 if resumed else 200
     return m.Sandbox.of(record, domain=node.domain)
 
@@ -145,20 +145,20 @@ def connect(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep
 @router.put("/sandboxes/{sandboxID}/network", status_code=204,
             summary="Replace the sandbox's egress rules; a running sandbox's next packet obeys them")
 def set_network(sandboxID: str, body: m.SandboxNetworkUpdate, node: NodeDep, caller: CallerDep) -> Response:
-    node.set_network(caller, sandboxID, internet=body.allow_internet_access, allow=body.allowOut or [],
+    node.lifecycle.set_network(caller, sandboxID, internet=body.allow_internet_access, allow=body.allowOut or [],
                      deny=body.denyOut or [])
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandboxID}/timeout", status_code=204)
 def set_timeout(sandboxID: str, body: m.SandboxTimeoutRequest, node: NodeDep, caller: CallerDep) -> Response:
-    node.set_timeout(caller, sandboxID, body.timeout)
+    node.lifecycle.set_timeout(caller, sandboxID, body.timeout)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandboxID}/refreshes", status_code=204)
 def refresh(sandboxID: str, node: NodeDep, caller: CallerDep, body: m.SandboxRefreshRequest | None = None) -> Response:
-    node.refresh(caller, sandboxID, body.duration if body else None)
+    node.lifecycle.refresh(caller, sandboxID, body.duration if body else None)
     return Response(status_code=204)
 
 
@@ -168,7 +168,7 @@ def fork(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
          body: m.SandboxForkRequest | None = None) -> list[m.SandboxForkResult]:
     body = body or m.SandboxForkRequest()  # E2B's body is optional: one fork, the default lifetime
     with vmm_timing(node, response):
-        records = node.fork(caller, sandboxID, body.count, body.timeout)
+        records = node.lifecycle.fork(caller, sandboxID, body.count, body.timeout)
     return [m.SandboxForkResult(sandbox=m.Sandbox.of(r, domain=node.domain)) for r in records]
 
 
@@ -177,5 +177,5 @@ def fork(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
 async def exec_command(sandboxID: str, body: m.ExecRequest, node: NodeDep, caller: CallerDep,
                        limits: LimitsDep) -> m.ExecResult:
     # long work: on the long requests' threads, as one of the caller's team (api/limits.py)
-    result = await limits.serve(caller.team, node.exec, caller, sandboxID, body.command, body.timeout)
+    result = await limits.serve(caller.team, node.lifecycle.exec, caller, sandboxID, body.command, body.timeout)
     return m.ExecResult(exitCode=result.exit_code, output=result.output, truncated=result.dropped > 0)

@@ -15,7 +15,7 @@ router = APIRouter(tags=["snapshots"], dependencies=AUTH)
 def snapshot(sandboxID: str, response: Response, node: NodeDep, caller: CallerDep,
              body: m.SandboxSnapshotRequest | None = None) -> m.SnapshotInfo:
     with vmm_timing(node, response):
-        snapshot_id, names = node.snapshot(caller, sandboxID, body.name if body else None)
+        snapshot_id, names = node.lifecycle.snapshot(caller, sandboxID, body.name if body else None)
     return m.SnapshotInfo(snapshotID=snapshot_id, names=names)
 
 
