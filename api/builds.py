@@ -64,7 +64,8 @@ if TYPE_CHECKING:
     from .catalog import Catalog
 
 log = logging.getLogger("strata.api")
-BUILD_KEY = "strata.build"  # metadata marking a build's sandbox (never listed)
+BUILD = "build"  # the record kind of a build's sandbox (never listed)
+LEGACY_BUILD_KEY = "strata.build"  # how records written before kinds marked one (in their metadata)
 READY_TIMEOUT = 300.0  # seconds the ready command may take to succeed
 STEP_TIMEOUT = 3600.0
 MAX_LOGS = 10_000

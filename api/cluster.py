@@ -28,8 +28,8 @@ from vmm import placement
 from vmm.registry import SandboxRecord, record_of
 from vmm.sandbox import Sandboxes
 
-from .builds import BUILD_KEY
-from .pools import POOL_KEY
+from .builds import BUILD
+from .pools import POOL
 
 log = logging.getLogger("strata.api")
 TEAMS_TTL = 2.0  # seconds other nodes' team counts are reused for quota checks
@@ -136,7 +136,7 @@ class Cluster:
     def forget_moved(self) -> None:
         """Forget the paused sandboxes other nodes took over (every 30 s, from the reaper)."""
         for record in self._boxes.registry.all():
-            if record.state == "suspended" and POOL_KEY not in record.metadata:
+            if record.state == "suspended" and record.kind != POOL:
                 self.still_ours(record, publish=False)
 
     # what the record says ------------------------------------------------------------------
@@ -149,12 +149,11 @@ class Cluster:
         templates: dict[str, int] = {}
         teams: dict[str, int] = {}  # sandboxes each team holds here, builds' too: quotas count the cluster's
         for r in self._boxes.registry.all():
-            pool = r.metadata.get(POOL_KEY)
-            if pool is not None:
-                pools[pool] = pools.get(pool, 0) + 1
+            if r.kind == POOL:
+                pools[r.template] = pools.get(r.template, 0) + 1
                 continue
             teams[r.team] = teams.get(r.team, 0) + 1
-            if BUILD_KEY not in r.metadata:
+            if r.kind != BUILD:
                 held += 1
                 templates[r.template] = templates.get(r.template, 0) + 1
         return {"url": self.url, "max": self._config.max_sandboxes, "held": held, "pools": pools,

@@ -25,16 +25,16 @@ from layerstore.store import Store
 from vmm.agent import GuestMetrics
 from vmm.egress import Egress
 from vmm.events import LEVELS, Event
-from vmm.registry import SandboxRecord, new_sid
+from vmm.registry import SANDBOX, SandboxRecord, new_sid
 from vmm.sandbox import MAX_FORKS, Sandboxes
 
-from .builds import BUILD_KEY
+from .builds import BUILD
 from .catalog import Catalog
 from .cluster import Cluster
 from .envd import Watchers, new_token
 from .exceptions import Capacity
 from .metrics import Metrics
-from .pools import POOL_KEY, WarmPools
+from .pools import POOL, WarmPools
 from .sources import Source
 from .sources import resolve as resolve_source
 from .teams import ADMIN, Caller, check_quota
@@ -96,14 +96,14 @@ class Lifecycle:
             raise NotFound(f"sandbox {sid!r} not found") from None
         except NotFound:
             raise NotFound(f"sandbox {sid} not found") from None
-        if POOL_KEY in record.metadata or BUILD_KEY in record.metadata:
+        if record.kind != SANDBOX:
             raise NotFound(f"sandbox {sid} not found")
         caller.check_sees(record.team, f"sandbox {sid} not found")
         return record
 
     def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
         return [r for r in self.boxes.registry.all()
-                if POOL_KEY not in r.metadata and BUILD_KEY not in r.metadata and caller.sees(r.team)]
+                if r.kind == SANDBOX and caller.sees(r.team)]
 
     @contextmanager
     def _capacity(self, sids: list[str], caller: Caller = ADMIN) -> Iterator[None]:
@@ -114,7 +114,7 @@ class Lifecycle:
         limited = self.config.team_limit(self.config.team_max_sandboxes, caller.team) is not None
         elsewhere = self.cluster.held_elsewhere(caller.team) if limited else 0
         with self._capacity_lock:
-            records = [r for r in self.boxes.registry.all() if POOL_KEY not in r.metadata]
+            records = [r for r in self.boxes.registry.all() if r.kind != POOL]
             held = {r.sid for r in records} | set(self._reserved)
             if len(held) + len(sids) > self.config.max_sandboxes:
                 raise Capacity(f"this node holds {len(held)} sandboxes; the limit is {self.config.max_sandboxes}")
@@ -134,21 +134,21 @@ class Lifecycle:
         """A template build's sandbox (never listed), within the node's
         capacity and counted among the team's sandboxes."""
         with self._capacity([sid], Caller(team)):
-            return self.start_sandbox(source, sid=sid, metadata={BUILD_KEY: build_id}, timeout=None,
-                                      auto_pause=False, team=team)
+            return self.start_sandbox(source, sid=sid, metadata={}, timeout=None, auto_pause=False, team=team,
+                                      kind=BUILD)
 
     def start_pooled(self, template: str) -> SandboxRecord:
-        return self.start_sandbox(self.source(template), sid=new_sid(), metadata={POOL_KEY: template}, timeout=None,
-                                  auto_pause=False)
+        return self.start_sandbox(self.source(template), sid=new_sid(), metadata={}, timeout=None, auto_pause=False,
+                                  kind=POOL)
 
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
                       disk_mb: int | None = None, egress: Egress | None = None,
-                      public: bool = True) -> SandboxRecord:
+                      public: bool = True, kind: str = SANDBOX) -> SandboxRecord:
         """Boot or restore `source` as sandbox `sid` with the template's (and
         image's) process defaults and a fresh access token; no capacity check
         (create, the warm pool and template builds do their own)."""
-        lifetime = {"template": source.template, "end_at": None if timeout is None else time.time() + timeout,
+        lifetime = {"kind": kind, "template": source.template, "end_at": None if timeout is None else time.time() + timeout,
                     "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token(),
                     "traffic_token": "" if public else new_token()}
         defaults = source.process  # a built template's ENV/WORKDIR/USER, over an image's config

@@ -18,7 +18,7 @@ from layerstore.errors import StrataError
 from vmm.sandbox import Sandboxes
 
 from .cluster import Cluster
-from .pools import POOL_KEY
+from .pools import POOL
 
 log = logging.getLogger("strata.api")
 
@@ -35,7 +35,7 @@ class Lifetimes:
         """Apply lifetimes at time `now`; (sandbox, "paused" | "killed" | "reclaimed") for each acted on."""
         done = []
         for record in self._boxes.registry.all():
-            if POOL_KEY in record.metadata:
+            if record.kind == POOL:
                 continue
             if record.state == "suspended":
                 if record.suspended_at is not None and now - record.suspended_at > self._config.paused_retention:

@@ -42,7 +42,7 @@ from vmm.sandbox import Sandboxes
 from . import listing
 from . import models as m
 from .access import Access
-from .builds import BUILD_KEY, Builds
+from .builds import BUILD, LEGACY_BUILD_KEY, Builds
 from .catalog import Catalog
 from .cluster import Cluster
 from .exceptions import Capacity
@@ -50,7 +50,7 @@ from .lifecycle import Lifecycle
 from .lifetimes import Lifetimes
 from .maintenance import Maintenance
 from .metrics import Metrics
-from .pools import POOL_KEY, WarmPools
+from .pools import LEGACY_POOL_KEY, POOL, WarmPools
 from .sources import Source
 from .supervisor import MountSupervisor
 from .envd import Watchers
@@ -80,7 +80,7 @@ class Node:
         self.node_id = node_id_of(Path(config.state_dir))
         self.cluster = Cluster(config, store, boxes, node_id=self.node_id)
         self.maintenance = Maintenance(store, config, gc_roots=self.cluster.roots, node_id=self.node_id)
-        self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: POOL_KEY in r.metadata)
+        self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: r.kind == POOL)
         self.watchers = Watchers()
         self.lifetimes = Lifetimes(config, boxes, self.cluster, failed=metrics.error)
         self.pools = WarmPools(config.warm_pool, boxes, lambda template: self.lifecycle.start_pooled(template),
@@ -101,11 +101,12 @@ class Node:
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
         for record in self.boxes.registry.all():
-            if BUILD_KEY in record.metadata:  # a build the restart interrupted: it is forgotten
+            record = self._with_kind(record)
+            if record.kind == BUILD:  # a build the restart interrupted: it is forgotten
                 log.info("removing %s, the sandbox of an interrupted template build", record.sid)
                 self._quietly(self.boxes.kill, record.sid)
                 continue
-            template = record.metadata.get(POOL_KEY)
+            template = record.template if record.kind == POOL else None
             if template is not None and template not in self.config.warm_pool:
                 log.info("warm pool %s is no longer configured: removing %s", template, record.sid)
                 self._quietly(self.boxes.kill, record.sid)
@@ -128,6 +129,16 @@ class Node:
             thread = threading.Thread(target=target, name=f"strata-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _with_kind(self, record: SandboxRecord) -> SandboxRecord:
+        """`record` with its kind, from the metadata key a Strata before
+        kinds marked a pool's or build's sandbox with (the key then dropped)."""
+        legacy = {LEGACY_POOL_KEY: POOL, LEGACY_BUILD_KEY: BUILD}
+        found = [key for key in legacy if key in record.metadata]
+        if not found:
+            return record
+        metadata = {k: v for k, v in record.metadata.items() if k not in legacy}
+        return self.boxes.update(record.sid, kind=legacy[found[0]], metadata=metadata)
 
     def _reap_leftovers(self) -> None:
         """Files a killed server or writer left: partial uploads, store temp files."""

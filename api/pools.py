@@ -2,9 +2,9 @@
 restored ahead of demand and left with their vCPUs paused, so a create of
 that template only continues one (pool hits in the metrics).
 
-A pool sandbox is marked by POOL_KEY in its metadata until a create takes
-it; it is never listed, never counted against a team, and the reaper leaves
-it alone. A template that fails to start is retried every RETRY seconds,
+A pool sandbox's record has kind POOL (and the pool's template) until a
+create takes it; it is never listed, never counted against a team, and the
+reaper leaves it alone. A template that fails to start is retried every RETRY seconds,
 not in a loop.
 """
 
@@ -16,19 +16,20 @@ import time
 from collections.abc import Callable
 
 from layerstore.errors import StrataError
-from vmm.registry import SandboxRecord
+from vmm.registry import SANDBOX, SandboxRecord
 from vmm.sandbox import Sandboxes
 
 log = logging.getLogger("strata.api")
-POOL_KEY = "strata.pool"  # metadata marking a warm-pool sandbox (never listed)
+POOL = "pool"  # the record kind of a warm pool's sandbox
+LEGACY_POOL_KEY = "strata.pool"  # how records written before kinds marked one (in their metadata)
 RETRY = 30.0  # seconds before a pool whose template failed to start is tried again
 
 
 class WarmPools:
     def __init__(self, sizes: dict[str, int], boxes: Sandboxes, start: Callable[[str], SandboxRecord], *,
                  failed: Callable[[StrataError], None] = lambda exc: None) -> None:
-        """`start(template)` starts one running sandbox of `template` marked
-        with POOL_KEY; `failed` hears of each start that failed."""
+        """`start(template)` starts one running sandbox of `template` of
+        kind POOL; `failed` hears of each start that failed."""
         self._sizes = sizes
         self._boxes = boxes
         self._start = start
@@ -37,7 +38,7 @@ class WarmPools:
         self._retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
 
     def members(self, template: str) -> list[SandboxRecord]:
-        return [r for r in self._boxes.registry.all() if r.metadata.get(POOL_KEY) == template]
+        return [r for r in self._boxes.registry.all() if r.kind == POOL and r.template == template]
 
     def fill(self, stop: threading.Event | None = None) -> int:
         """Top every configured pool up to its size; returns sandboxes added."""
@@ -65,9 +66,7 @@ class WarmPools:
             for record in self.members(template):
                 if record.state == "paused" and self._boxes.backend.is_running(
                         self._boxes.registry.workdir(record.sid)):
-                    record.metadata.pop(POOL_KEY)
-                    self._boxes.update(record.sid, metadata=record.metadata)
-                    return record
+                    return self._boxes.update(record.sid, kind=SANDBOX)
         return None
 
     def run(self, stop: threading.Event, *, every: float = 2.0) -> None:

@@ -22,12 +22,12 @@ log = logging.getLogger("strata.api")
 
 def watch_metrics(node: Node) -> None:
     """Gauges read at scrape time: sandboxes by state, the mount's cache, sandbox traffic."""
-    from .pools import POOL_KEY
+    from .pools import POOL
 
     def states() -> dict[str, int]:
         counts = {"running": 0, "paused": 0, "pool": 0}
         for record in node.boxes.registry.all():
-            if POOL_KEY in record.metadata:
+            if record.kind == POOL:
                 counts["pool"] += 1
             else:
                 counts["paused" if record.state == "suspended" else "running"] += 1

@@ -252,7 +252,7 @@ def run_load(server: NodeServer, args: argparse.Namespace) -> dict[str, Any]:
 def pool_ready(server: NodeServer) -> list[str]:
     """Pool sandboxes ready to hand out: vCPU-paused, still hidden from clients."""
     return [row["sid"] for row in server.admin.get("/admin/sandboxes").json()
-            if "strata.pool" in row["metadata"] and row["state"] == "paused"]
+            if row.get("kind") == "pool" and row["state"] == "paused"]
 
 
 def wait_for_pool(server: NodeServer, size: int, timeout: float = 600.0) -> list[str]:

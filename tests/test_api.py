@@ -5,6 +5,7 @@ schemathesis run against /openapi.json."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -240,9 +241,16 @@ def test_paused_sandboxes_survive_a_restart(server: NodeServer) -> None:
     running = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
     run(server, sid, "echo survived > /root/state; sync")
     assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+    legacy = c.post("/sandboxes", json={"templateID": "base", "timeout": 600}).json()["sandboxID"]
     server.stop()
+    record = server.tmp / "state" / "sandboxes" / legacy / "sandbox.json"  # as a Strata before record kinds
+    data = json.loads(record.read_text())  # marked a template build's sandbox, which a restart forgets
+    del data["kind"]
+    data["metadata"] = {"strata.build": "b-1"}
+    record.write_text(json.dumps(data))
     server.start()
     assert ids(server, state="paused") == [sid] and ids(server, state="running") == [running]
+    assert not record.exists()  # the interrupted build's sandbox is gone, not just hidden
     assert c.get(f"/sandboxes/{sid}").json()["metadata"] == {"k": "v"}
     assert c.post(f"/sandboxes/{sid}/resume", json={"timeout": 300}).status_code == 201
     assert run(server, sid, "cat /root/state") == "survived"
@@ -274,7 +282,7 @@ def test_warm_pool(server: NodeServer) -> None:
 
     def pool() -> list[str]:
         return [r["sid"] for r in admin.get("/admin/sandboxes").json()
-                if "strata.pool" in r["metadata"] and r["state"] == "paused"]  # ready to hand out
+                if r["kind"] == "pool" and r["state"] == "paused"]  # ready to hand out
 
     deadline = time.monotonic() + 120
     while not pool() and time.monotonic() < deadline:

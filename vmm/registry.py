@@ -41,6 +41,7 @@ from layerstore.errors import Conflict, CorruptObject, NotFound
 from .durable import fsync_dir, write_durably
 
 RECORD = "sandbox.json"
+SANDBOX = "sandbox"  # the default record kind: a client's sandbox (the API names the others)
 MAX_FORKS = 100  # sandboxes one fork request may make (here, not in sandbox.py, so the CLI's help needs no store)
 LOCKS = ".locks"
 # How long an operation waits for another one on the same sandbox. Long
@@ -84,6 +85,7 @@ class SandboxRecord:
     cwd: str = ""  # default working directory of the processes the API starts (an image's WorkingDir)
     user: str = ""  # default user of those processes (an image's User)
     network: dict | None = None  # egress rules (vmm/egress.py) when the VM has a NIC; None = no network
+    kind: str = SANDBOX  # the API's: a client's sandbox, a warm pool's, a template build's (opaque here)
 
 
 def new_sid() -> str:
