@@ -47,7 +47,7 @@ class Access:
 
         def agent_of() -> Agent:
             try:
-                if boxes.registry.load(sid).state == "suspended":
+                if boxes.record(sid).state == "suspended":
                     raise ConnectError("unavailable", f"sandbox {sid} is paused: resume it first")
                 return boxes.agent(sid)
             except (NotFound, Conflict):
@@ -61,13 +61,14 @@ class Access:
         address on the node. Forbidden without the sandbox's traffic token
         when its ports are not public."""
         try:
-            record = self._boxes.registry.load(sid)
+            record = self._boxes.record(sid)
         except NotFound:
             raise NotFound(f"sandbox {sid} not found") from None
         if record.traffic_token and not same_secret(token, record.traffic_token):
             raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it to reach its ports")
-        if record.network is None or self._boxes.network is None:
+        address = self._boxes.address(sid)
+        if address is None:
             raise Conflict(f"sandbox {sid} has no network (config network.enabled)")
-        return self._boxes.network.link(sid).outside
+        return address

@@ -82,7 +82,7 @@ class Cluster:
     def paused(self, sid: str) -> None:
         """Publish a paused sandbox's record with its placement: any node may wake it (`claim_other`)."""
         try:
-            record = asdict(self._boxes.registry.load(sid))
+            record = asdict(self._boxes.record(sid))
         except StrataError:
             return
         placement.place(self._store.backend, sid, self.node_id, record=record)
@@ -135,7 +135,7 @@ class Cluster:
 
     def forget_moved(self) -> None:
         """Forget the paused sandboxes other nodes took over (every 30 s, from the reaper)."""
-        for record in self._boxes.registry.all():
+        for record in self._boxes.records():
             if record.state == "suspended" and record.kind != POOL:
                 self.still_ours(record, publish=False)
 
@@ -148,7 +148,7 @@ class Cluster:
         pools: dict[str, int] = {}
         templates: dict[str, int] = {}
         teams: dict[str, int] = {}  # sandboxes each team holds here, builds' too: quotas count the cluster's
-        for r in self._boxes.registry.all():
+        for r in self._boxes.records():
             if r.kind == POOL:
                 pools[r.template] = pools.get(r.template, 0) + 1
                 continue
@@ -188,7 +188,7 @@ class Cluster:
         are its GC's roots already, and naming them here too would keep a
         removed image until this node's next beat)."""
         names = [Name("layer", m) for m in self._boxes.client.disk_layers()]
-        names += [Name("snapshot", s) for s in self._boxes.registry.snapshot_users()]  # paused sandboxes wake from
+        names += [Name("snapshot", s) for s in self._boxes.snapshot_users()]  # paused sandboxes wake from
         if self._config.remote and self._config.remote != self._config.store:
             names += [Name("layer", manifest) for _ref, manifest, _updated in self._store.list_refs()]
         return names

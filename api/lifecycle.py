@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from layerstore.config import NodeConfig
-from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
+from layerstore.errors import Conflict, InvalidInput, NotFound
 from layerstore.store import Store
 from vmm.agent import GuestMetrics
 from vmm.egress import Egress
@@ -91,7 +91,7 @@ class Lifecycle:
         """The client-visible sandbox `sid` (ids that cannot exist, and
         another team's sandboxes, are simply unknown)."""
         try:
-            record = self.boxes.registry.load(sid)
+            record = self.boxes.record(sid)
         except InvalidInput:
             raise NotFound(f"sandbox {sid!r} not found") from None
         except NotFound:
@@ -102,7 +102,7 @@ class Lifecycle:
         return record
 
     def records(self, caller: Caller = ADMIN) -> list[SandboxRecord]:
-        return [r for r in self.boxes.registry.all()
+        return [r for r in self.boxes.records()
                 if r.kind == SANDBOX and caller.sees(r.team)]
 
     @contextmanager
@@ -114,7 +114,7 @@ class Lifecycle:
         limited = self.config.team_limit(self.config.team_max_sandboxes, caller.team) is not None
         elsewhere = self.cluster.held_elsewhere(caller.team) if limited else 0
         with self._capacity_lock:
-            records = [r for r in self.boxes.registry.all() if r.kind != POOL]
+            records = [r for r in self.boxes.records() if r.kind != POOL]
             held = {r.sid for r in records} | set(self._reserved)
             if len(held) + len(sids) > self.config.max_sandboxes:
                 raise Capacity(f"this node holds {len(held)} sandboxes; the limit is {self.config.max_sandboxes}")
@@ -375,9 +375,6 @@ class Lifecycle:
 
     def traffic(self, record: SandboxRecord) -> dict[str, int]:
         """Bytes and packets a sandbox's guest sent and received ({}: no network, or gone meanwhile)."""
-        if record.network is None or self.boxes.network is None or record.state == "suspended":
+        if record.network is None or record.state == "suspended":
             return {}
-        try:
-            return self.boxes.network.counters(record.sid)
-        except StrataError:
-            return {}
+        return self.boxes.traffic(record.sid)

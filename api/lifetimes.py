@@ -34,7 +34,7 @@ class Lifetimes:
     def reap(self, now: float) -> list[tuple[str, str]]:
         """Apply lifetimes at time `now`; (sandbox, "paused" | "killed" | "reclaimed") for each acted on."""
         done = []
-        for record in self._boxes.registry.all():
+        for record in self._boxes.records():
             if record.kind == POOL:
                 continue
             if record.state == "suspended":

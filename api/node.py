@@ -31,7 +31,7 @@ from pathlib import Path
 
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
-from layerstore.errors import NotFound, StrataError
+from layerstore.errors import StrataError
 from layerstore.nodes import node_id_of
 from layerstore.store import Store
 from vmm.domain_gate import DomainGate
@@ -76,7 +76,7 @@ class Node:
         self._gate: DomainGate | None = None
         self._hold_stale = threading.Event()  # a name was deleted: rewrite the hold now
         self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
-                               node_users=boxes.registry.snapshot_users, deleted=self._hold_stale.set)
+                               node_users=boxes.snapshot_users, deleted=self._hold_stale.set)
         self.node_id = node_id_of(Path(config.state_dir))
         self.cluster = Cluster(config, store, boxes, node_id=self.node_id)
         self.maintenance = Maintenance(store, config, gc_roots=self.cluster.roots, node_id=self.node_id)
@@ -100,7 +100,7 @@ class Node:
         self.cluster.start()
         for sid in self.boxes.finish_interrupted():
             log.warning("sandbox %s: recovered from an operation interrupted by a restart", sid)
-        for record in self.boxes.registry.all():
+        for record in self.boxes.records():
             record = self._with_kind(record)
             if record.kind == BUILD:  # a build the restart interrupted: it is forgotten
                 log.info("removing %s, the sandbox of an interrupted template build", record.sid)
@@ -111,8 +111,7 @@ class Node:
                 log.info("warm pool %s is no longer configured: removing %s", template, record.sid)
                 self._quietly(self.boxes.kill, record.sid)
                 continue
-            if record.state in ("running", "paused") and not self.boxes.backend.is_running(
-                    self.boxes.registry.workdir(record.sid)):
+            if record.state in ("running", "paused") and not self.boxes.alive(record.sid):
                 self._vm_gone(record)
             elif record.state == "suspended" and template is None:
                 self.cluster.still_ours(record)
@@ -248,13 +247,7 @@ class Node:
 
     def sandbox_detail(self, caller: Caller, sid: str) -> m.SandboxDetail:
         record = self.lifecycle.record(sid, caller)
-        address = None
-        if record.network is not None and self.boxes.network is not None and record.state != "suspended":
-            try:
-                address = self.boxes.network.link(sid).outside
-            except NotFound:  # between a stop and a start
-                pass
-        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record), address=address)
+        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record), address=self.boxes.address(sid))
 
     def all_records(self) -> list[dict]:
         """Every sandbox record, warm pool included, as the VMM layer keeps it (for operators)."""

@@ -38,7 +38,7 @@ class WarmPools:
         self._retry: dict[str, float] = {}  # template -> monotonic time of the next fill attempt
 
     def members(self, template: str) -> list[SandboxRecord]:
-        return [r for r in self._boxes.registry.all() if r.kind == POOL and r.template == template]
+        return [r for r in self._boxes.records() if r.kind == POOL and r.template == template]
 
     def fill(self, stop: threading.Event | None = None) -> int:
         """Top every configured pool up to its size; returns sandboxes added."""
@@ -64,8 +64,7 @@ class WarmPools:
             return None
         with self._lock:
             for record in self.members(template):
-                if record.state == "paused" and self._boxes.backend.is_running(
-                        self._boxes.registry.workdir(record.sid)):
+                if record.state == "paused" and self._boxes.alive(record.sid):
                     return self._boxes.update(record.sid, kind=SANDBOX)
         return None
 

@@ -26,7 +26,7 @@ def watch_metrics(node: Node) -> None:
 
     def states() -> dict[str, int]:
         counts = {"running": 0, "paused": 0, "pool": 0}
-        for record in node.boxes.registry.all():
+        for record in node.boxes.records():
             if record.kind == POOL:
                 counts["pool"] += 1
             else:
@@ -37,7 +37,7 @@ def watch_metrics(node: Node) -> None:
         return node.cache_stats().counters()
 
     def traffic() -> dict[str, dict[str, int]]:
-        return {r.sid: counters for r in node.boxes.registry.all() if (counters := node.lifecycle.traffic(r))}
+        return {r.sid: counters for r in node.boxes.records() if (counters := node.lifecycle.traffic(r))}
 
     node.metrics.watch(states, cache, traffic)
 

@@ -100,7 +100,7 @@ class MountSupervisor:
 
     def recover_sandboxes(self) -> list[tuple[str, str]]:
         """Bring every sandbox that had a VM back onto the new mount; returns (sid, what was done)."""
-        done = [(r.sid, self._recover(r)) for r in self.boxes.registry.all() if r.state in ("running", "paused")]
+        done = [(r.sid, self._recover(r)) for r in self.boxes.records() if r.state in ("running", "paused")]
         for sid, what in done:
             log.warning("sandbox %s: %s after the mount daemon restarted", sid, what)
         return done

@@ -29,7 +29,8 @@ def _record(sid: str, created: float, state: str = "running") -> SandboxRecord:
 
 
 class StandIn:
-    """The Node methods the routes under test call, and nothing else."""
+    """The node's methods the routes under test call, and nothing else (its
+    lifecycle's too: the routes call `node.lifecycle.create`, ...)."""
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(api_keys=(("default", KEY), ("ops", ADMIN)), admin_keys=(("ops", ADMIN),),
@@ -38,6 +39,7 @@ class StandIn:
         self.metrics = Metrics()
         self.vmm_seconds = 0.0
         self.domain = None
+        self.lifecycle = self
 
     def take_vmm_seconds(self) -> float:
         taken, self.vmm_seconds = self.vmm_seconds, 0.0

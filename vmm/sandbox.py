@@ -258,14 +258,55 @@ class Sandboxes:
             self.registry.save(record)
             return record
 
+    # what callers read (the API never reaches into the registry, backend or network)
+    def records(self) -> list[SandboxRecord]:
+        """Every sandbox's record."""
+        return self.registry.all()
+
+    def record(self, sid: str) -> SandboxRecord:
+        """Sandbox `sid`'s record (NotFound; InvalidInput for an id that cannot be one)."""
+        return self.registry.load(sid)
+
+    def snapshot_users(self) -> dict[str, list[str]]:
+        """Snapshot id -> the paused sandboxes that wake from it."""
+        return self.registry.snapshot_users()
+
+    def alive(self, sid: str) -> bool:
+        """Whether sandbox `sid`'s VM process runs (it may outlive this process)."""
+        vm = self._vms.get(sid)
+        return vm.alive() if vm is not None else self.backend.is_running(self.registry.workdir(sid))
+
+    @property
+    def networked(self) -> bool:
+        """Whether this node gives sandboxes networks (config network.enabled)."""
+        return self.network is not None
+
+    def address(self, sid: str) -> str | None:
+        """Sandbox `sid`'s address on the node, None without a network
+        (none on the node, none for it, or paused: its link is gone)."""
+        if self.network is None:
+            return None
+        record = self.registry.load(sid)
+        if record.network is None or record.state == "suspended":
+            return None
+        try:
+            return self.network.link(sid).outside
+        except NotFound:  # between a stop and a start
+            return None
+
+    def traffic(self, sid: str) -> dict[str, int]:
+        """Bytes and packets sandbox `sid`'s guest sent and received since
+        its VM started; {} without a network (or paused: its link is gone)."""
+        if self.network is None:
+            return {}
+        try:
+            return self.network.counters(sid)
+        except StrataError:
+            return {}
+
     def list(self) -> list[dict[str, object]]:
         """Every sandbox's record, with `alive` telling whether its VM process runs."""
-        rows = []
-        for record in self.registry.all():
-            vm = self._vms.get(record.sid)
-            alive = vm.alive() if vm is not None else self.backend.is_running(self.registry.workdir(record.sid))
-            rows.append({**record.__dict__, "alive": alive})
-        return rows
+        return [{**record.__dict__, "alive": self.alive(record.sid)} for record in self.registry.all()]
 
     def _start(self, record: SandboxRecord, spec: VmSpec, disk: dict[str, str], memory_layer: str, *,
                keep_record: bool = False, state_layer: str | None = None) -> Sandbox:
