@@ -104,11 +104,6 @@ def _flag(text: str) -> bool:
     return value == "true"
 
 
-def _optional_flag(text: str) -> str:
-    """`true`, `false` (any case) or empty (the default) -> "true", "false" or ""."""
-    return str(_flag(text)).lower() if str(text).strip() else ""
-
-
 def _choice(*choices: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text not in choices:
@@ -333,7 +328,7 @@ class NodeConfig:
                                                         "(e.g. 100M; 0: no limit); more are dropped")
     s3_endpoint: str = _setting("", _text, "S3 endpoint URL (empty: AWS)")
     s3_region: str = _setting("", _text, "S3 region")
-    s3_path_style: str = _setting("", _optional_flag, "path-style S3 addressing")
+    s3_path_style: bool = _setting("true", _flag, "path-style S3 addressing (false: virtual-hosted)")
 
     @classmethod
     def load(cls, env: Mapping[str, str], *, require_store: bool = True, **overrides: Any) -> "NodeConfig":
@@ -374,8 +369,8 @@ class NodeConfig:
 
     @property
     def path_style(self) -> bool:
-        """Whether S3 stores are addressed path-style: unless s3_path_style is false."""
-        return self.s3_path_style != "false"
+        """Whether S3 stores are addressed path-style (config s3.path_style)."""
+        return self.s3_path_style
 
     @property
     def values(self) -> dict[str, Any]:

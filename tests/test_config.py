@@ -34,7 +34,7 @@ def test_file_then_environment_then_overrides(tmp_path: Path) -> None:
                          "STRATA_ADMIN_KEYS": "a" * 8, "STRATA_STATE_DIR": str(tmp_path)})
     assert c.store == "/srv/store" and c.port == 9100 and c.warm_pool == {"base": 2, "other": 1}
     assert c.api_keys == (("default", "k" * 8), ("default", "a" * 8)) and c.admin_keys == (("default", "a" * 8),)
-    assert c.mount == tmp_path / "mnt" and c.s3_path_style == "true" and c.path_style
+    assert c.mount == tmp_path / "mnt" and c.s3_path_style is True and c.path_style
     assert NodeConfig.load({"STRATA_CONFIG": str(config)}, port=9200).port == 9200
     (tmp_path / "empty.toml").write_text("")
     again = NodeConfig.load({**c.env(), "STRATA_CONFIG": str(tmp_path / "empty.toml")})
@@ -74,7 +74,7 @@ def test_booleans_are_parsed_once(tmp_path: Path) -> None:
     assert c.env()["STRATA_NETWORK_ENABLED"] == "true" and c.env()["STRATA_NETWORK_INTERNET"] == "false"
     c = NodeConfig.load({"STRATA_CONFIG": str(config), "STRATA_NETWORK_ENABLED": "False",
                          "STRATA_S3_PATH_STYLE": "False"})
-    assert c.network_enabled is False and c.s3_path_style == "false" and not c.path_style
+    assert c.network_enabled is False and c.s3_path_style is False and not c.path_style
     assert NodeConfig.load({"STRATA_CONFIG": str(config)}).store_options()["s3_path_style"] is True
 
 

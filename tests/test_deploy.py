@@ -571,7 +571,7 @@ def test_compose_node_settings_validate_and_match_seaweedfs_credentials() -> Non
     for name, node in compose_nodes(compose).items():
         env = node["environment"]
         config = node_config(env, EXAMPLE)  # the image's config file under the node's environment
-        assert config.store == env["STRATA_STORE"] and config.port == PORT and config.s3_path_style == "true"
+        assert config.store == env["STRATA_STORE"] and config.port == PORT and config.s3_path_style is True
         creds = {"accessKey": env["AWS_ACCESS_KEY_ID"], "secretKey": env["AWS_SECRET_ACCESS_KEY"]}
         allowed = [i for i in identities if creds in i.get("credentials", [])]
         assert allowed, f"{name}: its AWS credentials match no SeaweedFS identity"
@@ -712,7 +712,7 @@ def test_k8s_config_and_secret_validate_and_placeholders_are_refused(tmp_path: P
         node_config(values, config)
     values = {**values, "STRATA_API_KEYS": "0123456789abcdef,fedcba9876543210", "STRATA_ADMIN_KEYS": "a" * 48}
     node = node_config(values, config)
-    assert node.store.startswith("s3://") and node.s3_endpoint and node.s3_path_style == "true"
+    assert node.store.startswith("s3://") and node.s3_endpoint and node.s3_path_style is True
     assert (node.host, node.port) == ("0.0.0.0", PORT)
     assert node.state_dir == Path("/var/lib/strata")
     for key in toml_keys(cm["data"]["config.toml"]):
