@@ -224,14 +224,11 @@ def set_read_ahead(mountpoint: Path, kib: int) -> bool:
     """Raise the kernel's read-ahead for this mount (READ_AHEAD_KIB).
 
     The kernel default (128 KiB) splits a sequential read of a 1 MiB chunk into
-    eight FUSE requests; at 1 MiB it is one, and measured sequential reads
-    through the mount went from 278 to 365 MB/s warm and 175 to 210 MB/s
-    cold. At 4 MiB the kernel keeps several 1 MiB requests in flight, which
-    the daemon answers on as many threads: warm buffered reads went from
-    0.27-0.44x the raw file's speed to 0.56-0.62x (`bench/fuse_read.py`,
-    alternated runs), with restores and forks no slower (a RAM file's
-    faults read around them by this much too). Needs root (a sysfs write);
-    elsewhere the default stays.
+    eight FUSE requests; at 4 MiB the kernel keeps several 1 MiB requests in
+    flight, which the daemon answers on as many threads, and sequential
+    reads are faster with restores and forks no slower (bench/fuse_read.py,
+    figures in bench/README.md). Needs root (a sysfs write); elsewhere the
+    default stays.
     Reads /proc/self/mountinfo instead of stat()ing the mount, which would
     wait on this very daemon.
     """

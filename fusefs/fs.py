@@ -409,10 +409,9 @@ class StrataFS(pyfuse3.Operations):
 
         Not for a sandbox's RAM (its volatile upper layer): a guest faults its
         pages in no order, and the kernel's read-around of a fault, as long
-        as the mount's read-ahead, looked like such a run. What a restore
-        needs there is its recorded working set; the chunks fetched past
-        those runs were ~10% of a cold restore's fetches (97-99 without,
-        101-117 with) and its daemon CPU 160-260 ms against 220-360."""
+        as the mount's read-ahead, looks like such a run. What a restore
+        needs there is its recorded working set; read-ahead only added
+        fetches and daemon CPU to a cold restore (bench/vm_snapshot.py)."""
         if node.upper is not None and node.upper.volatile:
             return
         view = node.upper.lower if node.upper is not None else node.view

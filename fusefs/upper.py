@@ -434,11 +434,11 @@ class UpperLayer:
         that is a hole, a chunk in memory or a verified cache entry. For the
         FUSE event loop: QEMU probes its disk's alignment with two small
         reads whenever it reopens it (after every snapshot), and a thread
-        hop each cost 7-11 ms while the node sealed. Reads at most
+        hop costs milliseconds while the node seals. Reads at most
         `max_disk_read` bytes from disk, but a chunk in memory is served
-        whole: a restored guest's RAM is read in 1 MiB requests, which
-        went to a thread each (1-4 ms apiece while a cold restore's set
-        was fetched); never waits for a seal's switch."""
+        whole (a restored guest's RAM is read in 1 MiB requests, each of
+        which would otherwise wait for a thread); never waits for a seal's
+        switch."""
         end = min(self.size, offset + length)
         if offset < 0 or offset >= end:
             return b""
