@@ -122,13 +122,43 @@ class NodeContext:
 
 
     def node(self):  # noqa: ANN201 (api.node.Node; imported late: FastAPI's import is slow)
-        """The API's Node over this node's sandboxes, its metrics watching them."""
+        """The API's node over this node's sandboxes: its services, each with
+        one job (api/node.py lists them), wired here; its metrics watching them."""
+        import threading
+
+        from layerstore.nodes import node_id_of
+
+        from .access import Access
+        from .builds import Builds
+        from .catalog import Catalog
+        from .cluster import Cluster
+        from .envd import Watchers
+        from .lifecycle import Lifecycle
+        from .lifetimes import Lifetimes
+        from .maintenance import Maintenance
         from .metrics import Metrics
         from .node import Node
+        from .pools import POOL, WarmPools
         from .server import watch_metrics
+        from .supervisor import MountSupervisor
 
-        boxes = self.sandboxes()
-        node = Node(self.config, boxes.store, boxes, Metrics())
+        c, boxes, metrics = self.config, self.sandboxes(), Metrics()
+        store, state = boxes.store, Path(c.state_dir)
+        hold_stale = threading.Event()  # a name was deleted: the hold in the remote may shrink
+        catalog = Catalog(store, c, uploads=state / "uploads", node_users=boxes.snapshot_users,
+                          deleted=hold_stale.set)
+        cluster = Cluster(c, store, boxes, node_id=node_id_of(state))
+        watchers = Watchers()
+        lifecycle: Lifecycle
+        pools = WarmPools(c.warm_pool, boxes, lambda template: lifecycle.start_pooled(template), failed=metrics.error)
+        lifecycle = Lifecycle(c, store, boxes, metrics, catalog=catalog, cluster=cluster, pools=pools,
+                              watchers=watchers)
+        node = Node(c, boxes, metrics, catalog=catalog, cluster=cluster,
+                    maintenance=Maintenance(store, c, gc_roots=cluster.roots, node_id=cluster.node_id),
+                    supervisor=MountSupervisor(c, boxes, disposable=lambda r: r.kind == POOL), watchers=watchers,
+                    lifetimes=Lifetimes(c, boxes, cluster, failed=metrics.error), pools=pools, lifecycle=lifecycle,
+                    access=Access(c, boxes, lifecycle.record),
+                    builds=Builds(lifecycle, catalog, boxes, store, state / "template-files"), hold_stale=hold_stale)
         watch_metrics(node)
         return node
 

@@ -1,22 +1,20 @@
-"""One node's sandbox service: the API's semantics on top of `vmm.Sandboxes`.
+"""One node's API service: its services, each with one job, wired by
+api/compose.py, and the background work that keeps them going.
 
-What E2B's API means and the VMM layer does not know about lives here:
-templates (a named image or snapshot) -> boot or restore; E2B's "pause" =
-suspend (snapshot, then free the VM: a paused sandbox costs the node only
-its record); the node's capacity and each team's quota. The rest is in
-services of their own, each with one job:
-
-    access     api/access.py     data-plane and port tokens
-    lifetimes  api/lifetimes.py  what happens when a sandbox's time is up
-    pools      api/pools.py      warm pools of pre-restored sandboxes
-    cluster    api/cluster.py    the node's record, placements, takeovers
-    catalog    api/catalog.py    snapshots, templates, images, chunks
+    lifecycle   api/lifecycle.py    create, kill, pause, resume, fork, snapshot,
+                                    exec; the node's capacity, each team's quota
+    lifetimes   api/lifetimes.py    what happens when a sandbox's time is up
+    pools       api/pools.py        warm pools of pre-restored sandboxes
+    cluster     api/cluster.py      the node's record, placements, takeovers
+    access      api/access.py       data-plane and port tokens
+    catalog     api/catalog.py      snapshots, templates, images, chunks
     maintenance api/maintenance.py  GC, push, pull, the hold in the remote
-    builds     api/builds.py     template builds
+    builds      api/builds.py       template builds
 
 Everything persistent is in the sandbox records (vmm/registry.py) and the
 store, so a restarted node lists its paused sandboxes and resumes them.
-The HTTP layer (api/app.py, api/routes/) calls one action per request.
+The HTTP layer (api/app.py, api/routes/) calls one action per request; the
+listings E2B shows and the mount's cache are answered here.
 """
 
 from __future__ import annotations
@@ -32,8 +30,6 @@ from pathlib import Path
 from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import StrataError
-from layerstore.nodes import node_id_of
-from layerstore.store import Store
 from vmm.domain_gate import DomainGate
 from vmm.registry import SandboxRecord
 from vmm.resolver import Resolver
@@ -65,30 +61,28 @@ __all__ = ["Capacity", "Node", "Source"]  # Source: api/sources.py, Capacity: ap
 
 
 class Node:
-    def __init__(self, config: NodeConfig, store: Store, boxes: Sandboxes, metrics: Metrics) -> None:
+    """The node's services (put together by api/compose.py) and its
+    background work: reconcile at start, the reaper, the pool filler and
+    the hold rewriter, the network's resolver and gate."""
+
+    def __init__(self, config: NodeConfig, boxes: Sandboxes, metrics: Metrics, *, catalog: Catalog,
+                 cluster: Cluster, maintenance: Maintenance, supervisor: MountSupervisor, watchers: Watchers,
+                 lifetimes: Lifetimes, pools: WarmPools, lifecycle: Lifecycle, access: Access, builds: Builds,
+                 hold_stale: threading.Event) -> None:
+        """`hold_stale` is set when a name is deleted (the catalog's `deleted`): the hold is rewritten then."""
         self.config = config
-        self.store = store
+        self.store = boxes.store
         self.boxes = boxes
         self.metrics = metrics
+        self.catalog, self.cluster, self.maintenance, self.supervisor = catalog, cluster, maintenance, supervisor
+        self.watchers, self.lifetimes, self.pools, self.lifecycle = watchers, lifetimes, pools, lifecycle
+        self.access, self.builds = access, builds
+        self.node_id = cluster.node_id
+        self._hold_stale = hold_stale
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._resolver: Resolver | None = None
         self._gate: DomainGate | None = None
-        self._hold_stale = threading.Event()  # a name was deleted: rewrite the hold now
-        self.catalog = Catalog(store, config, uploads=Path(config.state_dir) / "uploads",
-                               node_users=boxes.snapshot_users, deleted=self._hold_stale.set)
-        self.node_id = node_id_of(Path(config.state_dir))
-        self.cluster = Cluster(config, store, boxes, node_id=self.node_id)
-        self.maintenance = Maintenance(store, config, gc_roots=self.cluster.roots, node_id=self.node_id)
-        self.supervisor = MountSupervisor(config, boxes, disposable=lambda r: r.kind == POOL)
-        self.watchers = Watchers()
-        self.lifetimes = Lifetimes(config, boxes, self.cluster, failed=metrics.error)
-        self.pools = WarmPools(config.warm_pool, boxes, lambda template: self.lifecycle.start_pooled(template),
-                               failed=metrics.error)
-        self.lifecycle = Lifecycle(config, store, boxes, metrics, catalog=self.catalog, cluster=self.cluster,
-                                   pools=self.pools, watchers=self.watchers)
-        self.access = Access(config, boxes, self.lifecycle.record)
-        self.builds = Builds(self.lifecycle, self.catalog, boxes, store, Path(config.state_dir) / "template-files")
 
     # background work ---------------------------------------------------------------
     def start(self) -> None:
