@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound
@@ -33,6 +34,7 @@ from .catalog import Catalog
 from .cluster import Cluster
 from .envd import Watchers, new_token
 from .exceptions import Capacity
+from .idempotency import Idempotency
 from .metrics import Metrics
 from .pools import POOL, WarmPools
 from .sources import Source
@@ -56,6 +58,7 @@ class Lifecycle:
         self._vmm_time = threading.local()
         self._capacity_lock = threading.Lock()
         self._reserved: dict[str, str] = {}  # ids of sandboxes being created -> their team
+        self._once = Idempotency(self.records)
 
     @contextmanager
     def vmm(self, op: str) -> Iterator[None]:
@@ -144,11 +147,11 @@ class Lifecycle:
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
                       disk_mb: int | None = None, egress: Egress | None = None,
-                      public: bool = True, kind: str = SANDBOX) -> SandboxRecord:
+                      public: bool = True, kind: str = SANDBOX, idempotency: str = "") -> SandboxRecord:
         """Boot or restore `source` as sandbox `sid` with the template's (and
         image's) process defaults and a fresh access token; no capacity check
         (create, the warm pool and template builds do their own)."""
-        lifetime = {"kind": kind, "template": source.template, "end_at": None if timeout is None else time.time() + timeout,
+        lifetime = {"kind": kind, "idempotency": idempotency, "template": source.template, "end_at": None if timeout is None else time.time() + timeout,
                     "auto_pause": auto_pause, "team": team, "env": env or {}, "access_token": new_token(),
                     "traffic_token": "" if public else new_token()}
         defaults = source.process  # a built template's ENV/WORKDIR/USER, over an image's config
@@ -194,9 +197,17 @@ class Lifecycle:
         return self.boxes.set_egress(sid, rules)
 
     # lifecycle ---------------------------------------------------------------------------
+    def create_once(self, caller: Caller, key: str, digest: str, template_id: str,
+                    **options: Any) -> tuple[SandboxRecord, bool]:
+        """`create` under an Idempotency-Key (api/idempotency.py): the sandbox
+        this team's earlier create with `key` made, if any (then True)."""
+        return self._once.once(caller.team, key, digest,
+                               lambda mark: self.create(caller, template_id, idempotency=mark, **options))
+
     def create(self, caller: Caller, template_id: str, *, timeout: int | None, auto_pause: bool,
                metadata: dict[str, str], env: dict[str, str] | None = None,
-               disk_mb: int | None = None, egress: Egress | None = None, public: bool = True) -> SandboxRecord:
+               disk_mb: int | None = None, egress: Egress | None = None, public: bool = True,
+               idempotency: str = "") -> SandboxRecord:
         ttl = self._ttl(timeout)
         if any(key.startswith(RESERVED_METADATA) for key in metadata):
             raise InvalidInput(f"metadata keys starting with {RESERVED_METADATA} are reserved")
@@ -215,10 +226,11 @@ class Lifecycle:
                 record = self.boxes.update(pooled.sid, metadata=metadata, template=template_id, team=caller.team,
                                            end_at=time.time() + ttl, auto_pause=auto_pause,  # type: ignore[operator]
                                            env={**pooled.env, **(env or {})}, access_token=new_token(),
-                                           traffic_token="" if public else new_token())
+                                           traffic_token="" if public else new_token(), idempotency=idempotency)
             else:
                 record = self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
-                                            team=caller.team, env=env, disk_mb=disk_mb, egress=egress, public=public)
+                                            team=caller.team, env=env, disk_mb=disk_mb, egress=egress, public=public,
+                                            idempotency=idempotency)
         self.cluster.placed(record.sid)
         return record
 

@@ -817,3 +817,35 @@ def _inflate_rows(server: NodeServer, quiet: dict, body: bytes) -> None:
     r = httpx.post(f"{server.url}/files", params={"path": "/root/huge"}, content=past_the_disk(),
                    headers=headers, timeout=600)
     assert r.status_code == 507 and "no space" in r.text, r.text
+
+
+def test_a_create_retried_with_its_idempotency_key_returns_the_first_sandbox(sdk: type, server: NodeServer) -> None:
+    """E2B's Idempotency-Key: the SDK's create retried with the same key
+    gives back the sandbox the first made (even when both arrive at once);
+    the key with another request is 409; a malformed key is 400; once the
+    sandbox is killed the key makes a new one."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        made = list(pool.map(lambda _: sdk.create(template="base", timeout=300, idempotency_key="job-7"), range(2)))
+    try:
+        assert made[0].sandbox_id == made[1].sandbox_id
+        again = httpx.post(f"{server.url}/v2/sandboxes", headers={"X-API-Key": API_KEY, "Idempotency-Key": "job-7"},
+                           json={"templateID": "base", "timeout": 300}, timeout=120)
+        assert again.status_code == 201 and again.json()["sandboxID"] == made[0].sandbox_id
+        assert again.headers["Idempotent-Replayed"] == "true"
+        other = httpx.post(f"{server.url}/v2/sandboxes", headers={"X-API-Key": API_KEY, "Idempotency-Key": "job-7"},
+                           json={"templateID": "base", "timeout": 60}, timeout=120)
+        assert other.status_code == 409 and "different request" in other.text
+        bad = httpx.post(f"{server.url}/v2/sandboxes", headers={"X-API-Key": API_KEY, "Idempotency-Key": "Job_7"},
+                         json={"templateID": "base"}, timeout=120)
+        assert bad.status_code == 400 and "Idempotency-Key" in bad.text
+        listed = [s["sandboxID"] for s in server.client.get("/v2/sandboxes").json()]
+        assert listed.count(made[0].sandbox_id) == 1
+    finally:
+        made[0].kill()
+    fresh = sdk.create(template="base", timeout=300, idempotency_key="job-7")
+    try:
+        assert fresh.sandbox_id != made[0].sandbox_id
+    finally:
+        fresh.kill()

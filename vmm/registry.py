@@ -85,6 +85,7 @@ class SandboxRecord:
     cwd: str = ""  # default working directory of the processes the API starts (an image's WorkingDir)
     user: str = ""  # default user of those processes (an image's User)
     network: dict | None = None  # egress rules (vmm/egress.py) when the VM has a NIC; None = no network
+    idempotency: str = ""  # the API's: the Idempotency-Key (and request digest) of the create that made it
     kind: str = SANDBOX  # the API's: a client's sandbox, a warm pool's, a template build's (opaque here)
 
 

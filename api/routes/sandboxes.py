@@ -3,7 +3,9 @@ them), plus Strata's fork and exec."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Response
+import hashlib
+
+from fastapi import APIRouter, Header, Query, Response
 
 from .. import models as m
 from ..deps import AUTH, CallerDep, LimitsDep, NodeDep, vmm_timing
@@ -11,6 +13,8 @@ from ..listing import metadata_query, states_query
 
 router = APIRouter(tags=["sandboxes"], dependencies=AUTH)
 METADATA = Query(None, description="k=v&k2=v2 (URL-encoded)")
+IDEMPOTENCY_KEY = Header(None, alias="Idempotency-Key", description="a retried create with the same key (and "
+                         "body) returns the sandbox the first one made; 1-255 of a-z, 0-9, '-'")
 NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
                                                  "description": "cursor of the next page, if any"}}}}
 
@@ -19,13 +23,20 @@ NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
              summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
 @router.post("/sandboxes", status_code=201, response_model=m.Sandbox, operation_id="create_sandbox",
              summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
-def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: CallerDep) -> m.Sandbox:
+def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: CallerDep,
+           idempotency_key: str | None = IDEMPOTENCY_KEY) -> m.Sandbox:
     with vmm_timing(node, response):
         net = body.network or m.SandboxNetwork()
-        record = node.lifecycle.create(caller, body.templateID, timeout=body.timeout, auto_pause=body.autoPause,
-                             metadata=body.metadata, env=body.envVars, disk_mb=body.diskSizeMB,
-                             egress=node.lifecycle.egress(body.allow_internet_access, net.allowOut, net.denyOut),
-                             public=net.allowPublicTraffic is not False)
+        options = dict(timeout=body.timeout, auto_pause=body.autoPause, metadata=body.metadata, env=body.envVars,
+                       disk_mb=body.diskSizeMB, public=net.allowPublicTraffic is not False,
+                       egress=node.lifecycle.egress(body.allow_internet_access, net.allowOut, net.denyOut))
+        if idempotency_key is None:
+            record = node.lifecycle.create(caller, body.templateID, **options)
+        else:
+            digest = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+            record, replayed = node.lifecycle.create_once(caller, idempotency_key, digest, body.templateID, **options)
+            if replayed:
+                response.headers["Idempotent-Replayed"] = "true"
     return m.Sandbox.of(record, domain=node.domain)
 
 
