@@ -13,12 +13,12 @@ throughout, so processes and threads acting on one sandbox take turns.
 
     boot     = disk upper layer over the image, RAM upper layer over an
                all-holes layer of the memory size, then the VM
-    snapshot = pause -> device state to workdir/state -> syncfs the mount
-               (dirty guest RAM pages reach the RAM upper layer) -> seal the
-               disk and RAM upper layers (each new layer holds only the
-               chunks dirtied since the last seal) -> state file imported as
-               a layer -> snapshot manifest (parent: the previous snapshot)
-               -> resume, if it was running
+    snapshot = pre-copy while the guest runs -> pause -> capture (device
+               state, dirty RAM written back, both upper layers sealed) ->
+               resume, if it was running -> publish (state file imported as
+               a layer, snapshot manifest; parent: the previous snapshot).
+               The steps are vmm/snapshotting.py's; the pause, the resume
+               and the record are this module's
     restore  = disk and RAM upper layers over the snapshot's disk and memory
                layers (chunks fetched lazily as the VM touches them), device
                state streamed from snapshots/<id>/state on the mount; a
@@ -29,7 +29,6 @@ throughout, so processes and threads acting on one sandbox take turns.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import tempfile
@@ -56,6 +55,7 @@ from .backend import DEFAULT_CMDLINE, Vm, VmmBackend, VmSpec
 from .egress import Egress
 from .network import Network
 from .registry import MAX_FORKS, LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
+from .snapshotting import Snapshotting, memory_sid
 
 log = logging.getLogger("strata.vmm")
 
@@ -115,6 +115,7 @@ class Sandboxes:
         self._boot_signatures: dict[str, tuple[int, int, int] | None] = {}  # of the files imported as those layers
         self._held = threading.local()  # .sids: the sandbox locks the current thread holds
         self._guard = threading.Lock()  # the boot-layer cache
+        self.snapshots = Snapshotting(store, client, backend.name, self._boot_layer)  # the snapshot pipeline
 
     @contextmanager
     def _locked(self, sid: str) -> Iterator[None]:
@@ -181,7 +182,8 @@ class Sandboxes:
         """A snapshot's kernel or initrd (`layer`) for QEMU: the node's own
         file when it is that very layer (imported from it, unchanged since),
         read from the local disk; else the layer on the mount, whose first
-        read on a node fetches 14 MiB through FUSE while the restore waits."""
+        read on a node fetches the whole file through FUSE while the restore
+        waits."""
         path = self.guest_dir / name
         with self._guard:
             same = self._boot_layers.get(name) == layer and self._boot_signatures.get(name) == _signature(path)
@@ -469,6 +471,11 @@ class Sandboxes:
             return self._snapshot(sid, resume, implicit=implicit)
 
     def _snapshot(self, sid: str, resume: bool | None, *, implicit: str = "") -> str:
+        """The pipeline's steps (`self.snapshots`) around the pause. The record
+        names the operation until it ends, so a process that dies midway
+        leaves the next lock holder enough to put the VM back
+        (`_finish_interrupted`); after a step that fails, the record says
+        what the VM is (`_after_failed_snapshot`)."""
         sandbox = self.get(sid)
         record = sandbox.record
         running = record.state == "running"
@@ -477,7 +484,7 @@ class Sandboxes:
         record.operation = "snapshot"
         self.registry.save(record)
         try:
-            timings = self._precopy(sandbox) if running else {"precopy": 0.0}
+            timings = self.snapshots.precopy(sid) if running else {"precopy": 0.0}
         except BaseException:  # nothing paused yet: the sandbox runs on as it was
             record.operation = ""
             self.registry.save(record)
@@ -489,11 +496,11 @@ class Sandboxes:
         paused = time.monotonic()
         sandbox.vm.pause()
         try:
-            timings.update(self._capture(sandbox))
+            timings.update(self.snapshots.capture(sid, sandbox.vm, sandbox.workdir))
             if resume:  # the sealed generations are frozen: the guest writes to new ones while they publish
                 sandbox.vm.resume()
             timings["paused"] = time.monotonic() - paused
-            snapshot_id = self._publish(sandbox, implicit, timings)
+            snapshot_id = self.snapshots.publish(record, sandbox.workdir, implicit, timings)
         except BaseException:
             self._after_failed_snapshot(sandbox, resume)
             raise
@@ -532,65 +539,6 @@ class Sandboxes:
         log.info("deleted snapshot %s of sandbox %s (%s): nothing needs it any more", snapshot_id,
                  notes.get("sandbox"), notes["implicit"])
 
-    def _precopy(self, sandbox: Sandbox) -> dict[str, float]:
-        """While the guest still runs: its dirty RAM written back, and the RAM
-        and disk upper layers sealed and published, as a live migration
-        copies memory before it stops the VM. The pause that follows then
-        writes back, seals and publishes only what the guest changed in the
-        meantime: a few chunks instead of tens (~35 MiB of RAM chunks composed
-        and hashed for a guest idling between two snapshots), which were
-        most of an incremental snapshot's pause to published. The price is
-        a second layer per snapshot (pages changed in both windows are
-        stored twice) and the snapshot call's own time."""
-        t0 = time.monotonic()
-        self._seal_layers(sandbox.sid)
-        self.client.await_seal(sandbox.sid)
-        self.client.await_seal(memory_sid(sandbox.sid))
-        return {"precopy": time.monotonic() - t0}
-
-    def _capture(self, sandbox: Sandbox) -> dict[str, float]:
-        """The part of a snapshot that needs the guest paused: device state
-        saved, dirty RAM written back, RAM and disk upper layers sealed (a
-        switch to new generations; publication goes on in the background)."""
-        t0 = time.monotonic()
-        sandbox.vm.save_state(sandbox.workdir / "state")
-        self._seal_layers(sandbox.sid)
-        return {"capture": time.monotonic() - t0}
-
-    def _seal_layers(self, sid: str) -> None:
-        """Seal the disk and RAM upper layers (publication goes on in the
-        background), the guest's RAM pages dirty in the page cache written
-        back into their upper layer first."""
-        self._flush_memory(sid)
-        self._flush_mount()
-        self.client.seal(sid)
-        self.client.seal(memory_sid(sid))
-
-    def _publish(self, sandbox: Sandbox, implicit: str, timings: dict[str, float]) -> str:
-        """The rest, which the guest need not wait for: the seals published,
-        device state stored (beside them), the snapshot written. Adds the
-        step timings ("seal", "publish") to `timings` and returns the
-        snapshot's id."""
-        sid, record = sandbox.sid, sandbox.record
-        t1 = time.monotonic()
-        with ThreadPoolExecutor(1, thread_name_prefix="strata-state") as pool:
-            state = pool.submit(import_image, self.store, sandbox.workdir / "state")
-            disk = self.client.await_seal(sid).manifest
-            memory = self.client.await_seal(memory_sid(sid)).manifest
-            t2 = time.monotonic()
-            state_id = state.result().manifest_id
-        snap = Snapshot(
-            layers={"disk": disk, "memory": memory, "state": state_id},
-            vm={"backend": self.backend.name, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
-                "kernel": self._boot_layer("vmlinuz"), "initrd": self._boot_layer("initramfs.cpio.gz"),
-                **({"nic": True} if record.network is not None else {})},
-            parent=self._existing_snapshot(record.last_snapshot),
-            annotations={"sandbox": sid, "team": record.team, **({"implicit": implicit} if implicit else {})},
-        )
-        snapshot_id = self.store.put_snapshot(snap)
-        timings.update(seal=t2 - t1, publish=time.monotonic() - t2)
-        return snapshot_id
-
     def _after_failed_snapshot(self, sandbox: Sandbox, resume: bool) -> None:
         """A snapshot failed after the pause: give the guest its vCPUs back if
         it was running, and record what it really is, so the record never says
@@ -605,18 +553,6 @@ class Sandboxes:
                 log.error("sandbox %s: resuming after a failed snapshot: %s", sandbox.sid, exc)
         log.error("sandbox %s: snapshot failed; the sandbox is %s", sandbox.sid, record.state)
         self.registry.save(record)
-
-    def _existing_snapshot(self, snapshot_id: str | None) -> str | None:
-        """The parent pointer of a new snapshot: the previous one, unless it was
-        deleted since (its layers, which the new one builds on, are kept by GC
-        as long as this sandbox's disk and RAM sit on them)."""
-        if snapshot_id is None:
-            return None
-        try:
-            self.store.get_snapshot(snapshot_id)
-        except NotFound:
-            return None
-        return snapshot_id
 
     def restore(self, snapshot_id: str, *, sid: str | None = None, metadata: dict[str, str] | None = None,
                 egress: Egress | None = None, **lifetime: object) -> Sandbox:
@@ -852,37 +788,6 @@ class Sandboxes:
                     self._boot_layers[name] = import_image(self.store, f.name, f"strata-boot:{name}").manifest_id
             return self._boot_layers[name]
 
-    def _flush_memory(self, sid: str) -> None:
-        """Write back the guest RAM pages dirty in the page cache (RAM is a
-        shared mapping of this file on the mount) and wait for the mount to
-        have them: fsync(2) of the file.
-
-        syncfs(2) of the mount does not do it (it returns in about a
-        millisecond with the pages still dirty). Until QEMU was handed the
-        state file as a descriptor, the shell QEMU forked for `exec:cat >
-        FILE` did it by accident: the child's copy of the mapping, closed
-        at exec, wrote the file back (FUSE's vma close), 25-500 ms a save.
-        """
-        try:
-            fd = os.open(self._memory_path(sid), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise StrataError(f"writing back sandbox {sid}'s RAM: {exc}") from None
-
-    def _flush_mount(self) -> None:
-        """Write back every dirty page of the mount (the disk's, should QEMU
-        have left any) without opening each file: syncfs(2)."""
-        fd = os.open(self.mount, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            if _libc().syncfs(fd) != 0:
-                err = ctypes.get_errno()
-                raise StrataError(f"syncfs on {self.mount} failed: {os.strerror(err)}")
-        finally:
-            os.close(fd)
-
 
 def _note(reason: str) -> str:
     """A record's `recovered` text: when (UTC) and what was done."""
@@ -896,13 +801,3 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def memory_sid(sid: str) -> str:
-    """The mount's name for a sandbox's RAM upper layer: sandboxes/<sid>.mem/disk.img."""
-    return f"{sid}.mem"
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
