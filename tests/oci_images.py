@@ -114,6 +114,11 @@ def write_docker(path: Path, layers: list[bytes], *, config: dict = CONFIG) -> P
         files[names[-1]] = plain
     files["manifest.json"] = json.dumps([{"Config": f"{_sha(cfg)}.json", "RepoTags": ["demo:v1"],
                                           "Layers": names}]).encode()
+    return write_tar(path, files)
+
+
+def write_tar(path: Path, files: dict[str, bytes]) -> Path:
+    """A tar at `path` of regular files, in the given order."""
     with tarfile.open(path, "w") as tar:
         for name, data in files.items():
             info = tarfile.TarInfo(name)

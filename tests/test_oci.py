@@ -16,7 +16,7 @@ import pytest
 
 from layerstore.errors import CorruptObject, InvalidInput
 from layerstore.oci import MAX_JSON, Hashing, Image, Runtime, is_image, open_image, runtime_of
-from tests.oci_images import CONFIG, layer, write_docker, write_oci
+from tests.oci_images import CONFIG, layer, write_docker, write_oci, write_tar
 
 BASE = [("dir", "etc"), ("file", "etc/hostname", b"oci-demo\n")]
 TOP = [("file", "etc/motd", b"hello\n")]
@@ -27,15 +27,6 @@ def tar_of(root: Path, path: Path) -> Path:
     with tarfile.open(path, "w") as tar:
         for member in sorted(root.rglob("*")):
             tar.add(member, arcname=str(member.relative_to(root)), recursive=False)
-    return path
-
-
-def archive(path: Path, files: dict[str, bytes]) -> Path:
-    with tarfile.open(path, "w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
     return path
 
 
@@ -96,7 +87,7 @@ def test_a_tampered_docker_layer_fails_its_diff_id(tmp_path: Path) -> None:
         files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
     name = next(n for n in files if n.endswith("/layer.tar"))
     files[name] = b"X" + files[name][1:]  # its first member's name, one byte changed
-    image = open_image(archive(tmp_path / "bad.tar", files))
+    image = open_image(write_tar(tmp_path / "bad.tar", files))
     try:
         with pytest.raises(CorruptObject, match=r"layer 1 .*layer.tar.*does not match"):
             read_all(image)
@@ -132,13 +123,13 @@ def test_the_linux_amd64_manifest_is_chosen(tmp_path: Path) -> None:
     ({"Config": "missing.json", "Layers": []}, "missing.json is missing from the archive"),
 ])
 def test_docker_paths_outside_the_archive_are_refused(tmp_path: Path, entry: dict, message: str) -> None:
-    path = archive(tmp_path / "evil.tar", {"manifest.json": json.dumps([entry]).encode()})
+    path = write_tar(tmp_path / "evil.tar", {"manifest.json": json.dumps([entry]).encode()})
     with pytest.raises(CorruptObject, match=message):
         open_image(path)
 
 
 def test_a_docker_layer_path_outside_the_archive_is_refused_when_opened(tmp_path: Path) -> None:
-    path = archive(tmp_path / "evil.tar", {"manifest.json": json.dumps([{"Layers": ["../../../etc/shadow"]}]).encode()})
+    path = write_tar(tmp_path / "evil.tar", {"manifest.json": json.dumps([{"Layers": ["../../../etc/shadow"]}]).encode()})
     image = open_image(path)
     try:
         with pytest.raises(CorruptObject, match="points outside the image"):
@@ -170,7 +161,7 @@ def test_an_oci_layout_directory_cannot_be_left_through_a_digest(tmp_path: Path)
 def test_malformed_archives_are_a_clear_error(tmp_path: Path, files: dict[str, bytes], error: type,
                                               message: str) -> None:
     with pytest.raises(error, match=message):
-        open_image(archive(tmp_path / "bad.tar", files))
+        open_image(write_tar(tmp_path / "bad.tar", files))
 
 
 def test_what_is_not_an_image(tmp_path: Path) -> None:
@@ -179,7 +170,7 @@ def test_what_is_not_an_image(tmp_path: Path) -> None:
     is InvalidInput."""
     (tmp_path / "disk.img").write_bytes(b"\xeb\x3c\x90" + b"\xff" * 8189)
     (tmp_path / "empty").mkdir()
-    other = archive(tmp_path / "other.tar", {"README": b"x"})
+    other = write_tar(tmp_path / "other.tar", {"README": b"x"})
     for path in (tmp_path / "disk.img", tmp_path / "empty", tmp_path / "missing", other):
         assert not is_image(path)
     with pytest.raises(InvalidInput, match="not an image archive"):
