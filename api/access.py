@@ -68,7 +68,7 @@ class Access:
             raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it to reach its ports")
-        address = self._boxes.address(sid)
+        address = self._boxes.address(record)
         if address is None:
             raise Conflict(f"sandbox {sid} has no network (config network.enabled)")
         return address

@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 from layerstore.config import NodeConfig
@@ -35,9 +36,15 @@ log = logging.getLogger("strata.api")
 TEAMS_TTL = 2.0  # seconds other nodes' team counts are reused for quota checks
 
 
-class Cluster:
-    def __init__(self, config: NodeConfig, store: Store, boxes: Sandboxes, *, node_id: str) -> None:
+class Membership:
+    """This node's part in the cluster (api/gateway.py's `Cluster` is the
+    gateway's view of all the nodes)."""
+
+    def __init__(self, config: NodeConfig, store: Store, boxes: Sandboxes, *, node_id: str,
+                 quietly: Callable[..., None]) -> None:
+        """`quietly(action, *args)` runs background work whose failure is logged, not raised (Metrics.quietly)."""
         self._config = config
+        self._quietly = quietly
         self._store = store
         self._boxes = boxes
         self.node_id = node_id
@@ -126,10 +133,7 @@ class Cluster:
             return
         if seen is not None and seen.node != self.node_id:
             log.warning("sandbox %s: taken over by node %s; forgetting it here", record.sid, seen.node)
-            try:
-                self._boxes.forget(record.sid)
-            except StrataError as exc:
-                log.error("forgetting sandbox %s: %s", record.sid, exc)
+            self._quietly(self._boxes.forget, record.sid)
         elif publish and (seen is None or seen.record is None):
             self.paused(record.sid)
 

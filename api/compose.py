@@ -131,7 +131,7 @@ class NodeContext:
         from .access import Access
         from .builds import Builds
         from .catalog import Catalog
-        from .cluster import Cluster
+        from .cluster import Membership
         from .envd import Watchers
         from .lifecycle import Lifecycle
         from .lifetimes import Lifetimes
@@ -147,7 +147,7 @@ class NodeContext:
         hold_stale = threading.Event()  # a name was deleted: the hold in the remote may shrink
         catalog = Catalog(store, c, uploads=state / "uploads", node_users=boxes.snapshot_users,
                           deleted=hold_stale.set)
-        cluster = Cluster(c, store, boxes, node_id=node_id_of(state))
+        cluster = Membership(c, store, boxes, node_id=node_id_of(state), quietly=metrics.quietly)
         watchers = Watchers()
         lifecycle: Lifecycle
         pools = WarmPools(c.warm_pool, boxes, lambda template: lifecycle.start_pooled(template), failed=metrics.error)
@@ -156,7 +156,7 @@ class NodeContext:
         node = Node(c, boxes, metrics, catalog=catalog, cluster=cluster,
                     maintenance=Maintenance(store, c, gc_roots=cluster.roots, node_id=cluster.node_id),
                     supervisor=MountSupervisor(c, boxes, disposable=lambda r: r.kind == POOL), watchers=watchers,
-                    lifetimes=Lifetimes(c, boxes, cluster, failed=metrics.error), pools=pools, lifecycle=lifecycle,
+                    lifetimes=Lifetimes(c, boxes, cluster, quietly=metrics.quietly), pools=pools, lifecycle=lifecycle,
                     access=Access(c, boxes, lifecycle.record),
                     builds=Builds(lifecycle, catalog, boxes, store, state / "template-files"), hold_stale=hold_stale)
         watch_metrics(node)

@@ -31,7 +31,7 @@ from vmm.sandbox import MAX_FORKS, Sandboxes
 
 from .builds import BUILD
 from .catalog import Catalog
-from .cluster import Cluster
+from .cluster import Membership
 from .envd import Watchers, new_token
 from .exceptions import Capacity
 from .idempotency import Idempotency
@@ -46,7 +46,7 @@ RESERVED_METADATA = "strata."  # metadata keys only the node sets (a client's wo
 
 class Lifecycle:
     def __init__(self, config: NodeConfig, store: Store, boxes: Sandboxes, metrics: Metrics, *,
-                 catalog: Catalog, cluster: Cluster, pools: WarmPools, watchers: Watchers) -> None:
+                 catalog: Catalog, cluster: Membership, pools: WarmPools, watchers: Watchers) -> None:
         self.config = config
         self.store = store
         self.boxes = boxes

@@ -14,22 +14,23 @@ import logging
 from collections.abc import Callable
 
 from layerstore.config import NodeConfig
-from layerstore.errors import StrataError
 from vmm.sandbox import Sandboxes
 
-from .cluster import Cluster
+from .cluster import Membership
 from .pools import POOL
 
 log = logging.getLogger("strata.api")
 
 
 class Lifetimes:
-    def __init__(self, config: NodeConfig, boxes: Sandboxes, cluster: Cluster, *,
-                 failed: Callable[[StrataError], None] = lambda exc: None) -> None:
+    def __init__(self, config: NodeConfig, boxes: Sandboxes, cluster: Membership, *,
+                 quietly: Callable[..., None]) -> None:
+        """`quietly(action, sid)` runs an action on one sandbox, logging and
+        counting its failure (Metrics.quietly): the others are still reaped."""
         self._config = config
         self._boxes = boxes
         self._cluster = cluster
-        self._failed = failed
+        self._try = quietly
 
     def reap(self, now: float) -> list[tuple[str, str]]:
         """Apply lifetimes at time `now`; (sandbox, "paused" | "killed" | "reclaimed") for each acted on."""
@@ -54,10 +55,3 @@ class Lifetimes:
             if action != "paused":
                 self._cluster.unplaced(sid)
         return done
-
-    def _try(self, action: Callable[[str], object], sid: str) -> None:
-        try:
-            action(sid)
-        except StrataError as exc:
-            log.error("%s(%r): %s", getattr(action, "__name__", action), sid, exc)
-            self._failed(exc)

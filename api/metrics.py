@@ -8,12 +8,16 @@ scraped.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from layerstore.errors import StrataError
+
+log = logging.getLogger("strata.api")
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -64,6 +68,15 @@ class Metrics:
     def watch(self, states: Callable[[], dict[str, int]], cache: Callable[[], dict[str, int]],
               traffic: Callable[[], dict[str, dict[str, int]]] = dict) -> None:
         self.registry.register(_Live(states, cache, traffic))
+
+    def quietly(self, action: Callable[..., object], *args: object) -> None:
+        """`action(*args)` for background work, which must go on: a
+        StrataError is logged and counted, not raised."""
+        try:
+            action(*args)
+        except StrataError as exc:
+            log.error("%s%s: %s", getattr(action, "__name__", action), args, exc)
+            self.error(exc)
 
     def error(self, exc: BaseException) -> None:
         self.errors.labels(type(exc).__name__).inc()

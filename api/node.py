@@ -40,7 +40,7 @@ from . import models as m
 from .access import Access
 from .builds import BUILD, LEGACY_BUILD_KEY, Builds
 from .catalog import Catalog
-from .cluster import Cluster
+from .cluster import Membership
 from .exceptions import Capacity
 from .lifecycle import Lifecycle
 from .lifetimes import Lifetimes
@@ -66,7 +66,7 @@ class Node:
     the hold rewriter, the network's resolver and gate."""
 
     def __init__(self, config: NodeConfig, boxes: Sandboxes, metrics: Metrics, *, catalog: Catalog,
-                 cluster: Cluster, maintenance: Maintenance, supervisor: MountSupervisor, watchers: Watchers,
+                 cluster: Membership, maintenance: Maintenance, supervisor: MountSupervisor, watchers: Watchers,
                  lifetimes: Lifetimes, pools: WarmPools, lifecycle: Lifecycle, access: Access, builds: Builds,
                  hold_stale: threading.Event) -> None:
         """`hold_stale` is set when a name is deleted (the catalog's `deleted`): the hold is rewritten then."""
@@ -98,12 +98,12 @@ class Node:
             record = self._with_kind(record)
             if record.kind == BUILD:  # a build the restart interrupted: it is forgotten
                 log.info("removing %s, the sandbox of an interrupted template build", record.sid)
-                self._quietly(self.boxes.kill, record.sid)
+                self.metrics.quietly(self.boxes.kill, record.sid)
                 continue
             template = record.template if record.kind == POOL else None
             if template is not None and template not in self.config.warm_pool:
                 log.info("warm pool %s is no longer configured: removing %s", template, record.sid)
-                self._quietly(self.boxes.kill, record.sid)
+                self.metrics.quietly(self.boxes.kill, record.sid)
                 continue
             if record.state in ("running", "paused") and not self.boxes.alive(record.sid):
                 self._vm_gone(record)
@@ -150,12 +150,12 @@ class Node:
         snapshot, paused, if it has one (nothing committed is lost); else removed."""
         if record.last_snapshot is not None:
             log.warning("sandbox %s: its VM is gone; paused at its last snapshot %s", record.sid, record.last_snapshot)
-            self._quietly(self.boxes.back_to_snapshot, record.sid, "its VM was gone when the node started: paused "
-                                                                   "at its last snapshot")
+            self.metrics.quietly(self.boxes.back_to_snapshot, record.sid,
+                                 "its VM was gone when the node started: paused at its last snapshot")
             self.cluster.paused(record.sid)
             return
         log.warning("sandbox %s: its VM is gone (host restarted?) and it has no snapshot; removing it", record.sid)
-        self._quietly(self.boxes.kill, record.sid)
+        self.metrics.quietly(self.boxes.kill, record.sid)
         self.cluster.unplaced(record.sid)
 
     def stop(self) -> None:
@@ -204,13 +204,6 @@ class Node:
         except OSError as exc:
             log.error("%s: %s", getattr(action, "__name__", action), exc)
 
-    def _quietly(self, action: object, *args: object) -> None:
-        try:
-            action(*args)  # type: ignore[operator]
-        except StrataError as exc:
-            log.error("%s%s: %s", getattr(action, "__name__", action), args, exc)
-            self.metrics.error(exc)
-
     @property
     def domain(self) -> str | None:
         """The domain of sandbox hosts ({port}-{id}.{domain}), None when not configured."""
@@ -241,7 +234,7 @@ class Node:
 
     def sandbox_detail(self, caller: Caller, sid: str) -> m.SandboxDetail:
         record = self.lifecycle.record(sid, caller)
-        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record), address=self.boxes.address(sid))
+        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record), address=self.boxes.address(record))
 
     def all_records(self) -> list[dict]:
         """Every sandbox record, warm pool included, as the VMM layer keeps it (for operators)."""

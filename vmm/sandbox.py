@@ -283,16 +283,13 @@ class Sandboxes:
         """Whether this node gives sandboxes networks (config network.enabled)."""
         return self.network is not None
 
-    def address(self, sid: str) -> str | None:
-        """Sandbox `sid`'s address on the node, None without a network
-        (none on the node, none for it, or paused: its link is gone)."""
-        if self.network is None:
-            return None
-        record = self.registry.load(sid)
-        if record.network is None or record.state == "suspended":
+    def address(self, record: SandboxRecord) -> str | None:
+        """The sandbox's address on the node, None without a network (none
+        on the node, none for it, or paused: its link is gone)."""
+        if self.network is None or record.network is None or record.state == "suspended":
             return None
         try:
-            return self.network.link(sid).outside
+            return self.network.link(record.sid).outside
         except NotFound:  # between a stop and a start
             return None
 
