@@ -56,3 +56,29 @@ def test_the_data_plane_wants_the_sandboxs_own_token(lab: Lab) -> None:
         r = httpx.get(f"{lab.node.url}/files", params={"path": "/etc/hostname"},
                       headers={"E2b-Sandbox-Id": sid, **headers})
         assert r.status_code == 401, r.text
+
+
+def test_another_teams_idempotency_key_makes_the_attackers_own_sandbox(lab: Lab) -> None:
+    """attacker: team beta.  target: the sandbox alpha created with an
+    Idempotency-Key (a retry with the key returns it, token and all).
+    attempt: beta's create with alpha's key and alpha's exact request, then
+    with its own template.  must: the first is 404 (alpha's template is
+    unknown to beta), the second a new sandbox of beta's; never alpha's id
+    or token; alpha's retry still returns alpha's."""
+    request = {"templateID": "guest:alpha", "timeout": 120}
+    key = {"Idempotency-Key": "alpha-job-1"}
+    first = lab.alpha.post("/v2/sandboxes", json=request, headers=key)
+    assert first.status_code == 201, first.text
+    same = lab.beta.post("/v2/sandboxes", json=request, headers=key)
+    mine = lab.beta.post("/v2/sandboxes", json={**request, "templateID": lab.own_image(lab.beta, "guest:beta-idem")},
+                         headers=key)
+    try:
+        assert mine.status_code == 201 and mine.json()["sandboxID"] != first.json()["sandboxID"], mine.text
+        assert same.status_code == 404 and first.json()["sandboxID"] not in same.text  # alpha's template: unknown
+        assert first.json()["envdAccessToken"] not in mine.text + same.text
+        again = lab.alpha.post("/v2/sandboxes", json=request, headers=key)
+        assert again.json()["sandboxID"] == first.json()["sandboxID"]
+    finally:
+        lab.alpha.delete(f"/sandboxes/{first.json()['sandboxID']}")
+        if mine.status_code == 201:
+            lab.beta.delete(f"/sandboxes/{mine.json()['sandboxID']}")
