@@ -27,6 +27,7 @@ from layerstore.store import Store, inspect_image
 from layerstore.templates import Template, check_template_name, new_template
 
 from . import models as m
+from .sources import snapshot_id_of
 from .teams import Caller, check_quota
 from .uploads import staged
 
@@ -82,14 +83,18 @@ class Catalog:
         used = len(inventory.list_snapshots(self.store, team=caller.team))
         check_quota(self.config, caller, setting="team_max_snapshots", used=used, adding=1)
 
-    def check_template_free(self, caller: Caller, name: str) -> None:
-        """The name is valid and not another team's template (409)."""
-        check_template_name(name)
+    def check_template_free(self, caller: Caller, name: str) -> str:
+        """The name's canonical spelling (layerstore/templates.py), if it is
+        valid and not another team's template (409)."""
+        name = check_template_name(name)
+        if snapshot_id_of(name) is not None:
+            raise InvalidInput(f"template name {name!r} is spelled like a snapshot id, which names that snapshot")
         try:
             owner = self.store.get_template(name).owner
         except NotFound:
-            return
+            return name
         caller.check_may_replace(owner, f"template {name}")
+        return name
 
     def _stored_bytes(self, team: str) -> int:
         """Bytes stored for a team's images and snapshots, each chunk and pack once."""
@@ -105,6 +110,11 @@ class Catalog:
         """The caller's snapshots with the templates naming them, optionally
         only those taken of `sandbox` or named `name`."""
         team = None if caller.admin else caller.team
+        if name is not None:
+            try:
+                name = check_template_name(name)  # my-snap:default is my-snap
+            except InvalidInput:
+                return []
         return [m.SnapshotInfo(snapshotID=s.snapshot_id, names=s.names)
                 for s in inventory.list_snapshots(self.store, sandbox=sandbox, name=name, team=team)]
 
@@ -149,6 +159,15 @@ class Catalog:
         return self._template(template)
 
     def delete_template(self, caller: Caller, name: str) -> None:
+        """Remove a template name (what it named stays); a snapshot id here
+        is E2B's delete_snapshot: the snapshot goes with the caller's names
+        for it (409 while a paused sandbox needs it)."""
+        snapshot_id = snapshot_id_of(name)
+        if snapshot_id is not None:
+            self._check_snapshot(caller, snapshot_id)
+            inventory.delete_snapshot(self.store, snapshot_id, node_users=self._node_users(), with_names=True)
+            self._deleted()
+            return
         try:
             owner = self.store.get_template(name).owner
         except InvalidInput:

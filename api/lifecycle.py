@@ -341,7 +341,7 @@ class Lifecycle:
     def snapshot(self, caller: Caller, sid: str, name: str | None) -> tuple[str, list[str]]:
         record = self.record(sid, caller)
         if name is not None:
-            self.catalog.check_template_free(caller, name)
+            name = self.catalog.check_template_free(caller, name)
         self.catalog.check_snapshot_quota(Caller(record.team))
         if record.state == "suspended":
             snapshot_id = record.last_snapshot

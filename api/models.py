@@ -306,7 +306,7 @@ class SandboxForkResult(Reply):
 
 
 class SandboxSnapshotRequest(Lenient):
-    name: str | None = Field(None, description="also publish the snapshot as a template of this name")
+    name: str | None = Field(None, description="also publish the snapshot as a template of this name (NAME or NAME:TAG)")
 
 
 class SnapshotInfo(Reply):

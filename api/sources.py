@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layerstore.digest import is_digest
 from layerstore.errors import InvalidInput, NotFound
 from layerstore.refs import parse_ref
 from layerstore.store import Store
-from layerstore.templates import check_template_name
+from layerstore.templates import DEFAULT_TAG, check_template_name
 
 from .teams import Caller
 
@@ -24,16 +25,30 @@ class Source:
 
 
 def resolve(store: Store, template_id: str, caller: Caller) -> Source:
-    """A template name, or an image NAME:TAG, as what to boot or restore."""
-    if ":" in template_id:
-        ref = str(parse_ref(template_id))
-        caller.check_sees(store.ref_owner(ref), f"image {ref} not found in {store.describe()}")
-        store.resolve(ref)
-        return Source(template_id, "image", ref)
+    """What `template_id` names, tried in E2B's order: a snapshot id (E2B's
+    snapshots are templates: `ID` or `ID:default`), a template (`NAME` or
+    `NAME:TAG`), then an image `NAME:TAG`."""
+    snapshot_id = snapshot_id_of(template_id)
+    if snapshot_id is not None:
+        team = store.get_snapshot(snapshot_id).annotations.get("team", "")
+        caller.check_sees(team, f"template {template_id} not found in {store.describe()}")
+        return Source(template_id, "snapshot", snapshot_id)
     try:
-        check_template_name(template_id)
-    except InvalidInput:
-        raise NotFound(f"template {template_id!r} not found") from None
-    template = store.get_template(template_id)
-    caller.check_sees(template.owner, f"template {template_id} not found in {store.describe()}")
-    return Source(template_id, template.kind, template.target, template.process)
+        template = store.get_template(check_template_name(template_id))
+    except (InvalidInput, NotFound):
+        if ":" not in template_id:
+            raise NotFound(f"template {template_id!r} not found in {store.describe()}") from None
+    else:
+        caller.check_sees(template.owner, f"template {template_id} not found in {store.describe()}")
+        return Source(template_id, template.kind, template.target, template.process)
+    ref = str(parse_ref(template_id))
+    caller.check_sees(store.ref_owner(ref), f"image {ref} not found in {store.describe()}")
+    store.resolve(ref)
+    return Source(template_id, "image", ref)
+
+
+def snapshot_id_of(template_id: str) -> str | None:
+    """The snapshot id in `ID` or `ID:default` (E2B's spelling of a snapshot
+    as a template), None when `template_id` is no snapshot id."""
+    text = template_id.removesuffix(f":{DEFAULT_TAG}")
+    return text if is_digest(text) else None

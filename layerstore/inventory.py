@@ -123,11 +123,18 @@ def inspect_snapshot(store: Store, snapshot_id: str, *, node_users: Mapping[str,
                           dict(snap.annotations), snapshot_users(store, node_users).get(snapshot_id, []))
 
 
-def delete_snapshot(store: Store, snapshot_id: str, *, node_users: Mapping[str, list[str]]) -> None:
+def delete_snapshot(store: Store, snapshot_id: str, *, node_users: Mapping[str, list[str]],
+                    with_names: bool = False) -> None:
     """Remove a snapshot manifest unless a template or the node still needs it
-    (its layers and chunks stay until GC)."""
+    (its layers and chunks stay until GC). `with_names` removes the templates
+    naming it too (E2B's snapshot is its template): only a sandbox or another
+    node still needing it refuses then."""
     store.get_snapshot(check_snapshot_id(snapshot_id))
-    users = snapshot_users(store, node_users).get(snapshot_id)
-    if users:
-        raise Conflict(f"snapshot {snapshot_id} is still used by {', '.join(users)}")
+    users = snapshot_users(store, node_users).get(snapshot_id, [])
+    names = [u.removeprefix("template ") for u in users if with_names and u.startswith("template ")]
+    blocking = [u for u in users if not (with_names and u.startswith("template "))]
+    if blocking:
+        raise Conflict(f"snapshot {snapshot_id} is still used by {', '.join(blocking)}")
+    for name in names:
+        store.delete_template(name)
     store.delete_snapshot(snapshot_id)

@@ -8,7 +8,8 @@ order that keeps readers safe:
     manifests/<id>          canonical layer manifest (layerstore/manifest.py)
     snapshots/<id>          canonical snapshot manifest (layerstore/snapshot.py)
     refs/<name>/<tag>       {"manifest": id, ...} (layerstore/refs.py)
-    templates/<name>        template (layerstore/templates.py)
+    templates/<name>        template (layerstore/templates.py; a tagged name
+    template-tags/<name>/<tag>   under template-tags/)
     prefetch/<manifest id>  JSON list of chunk indices a sandbox reads first
     prefetch-chunks/<manifest id>  the packed ones among them, whole (layerstore/pack.py)
 
@@ -65,7 +66,8 @@ from .pack import PackWriter, decode_entries, decode_entry, encode_entries, pack
 from .readthrough import Fallback, ReadThroughBackend
 from .refs import REF_PREFIX, Ref, decode_ref_owner, decode_ref_target, encode_ref_target, parse_ref, ref_from_key
 from .snapshot import SNAPSHOT_PREFIX, Snapshot, is_snapshot_key, parse_snapshot, snapshot_key
-from .templates import Template, parse_template, template_key
+from .templates import (TAGGED_TEMPLATE_PREFIX, TEMPLATE_PREFIX, Template, name_of_key, parse_template,
+                        template_key)
 
 if TYPE_CHECKING:
     from .config import NodeConfig
@@ -446,10 +448,10 @@ class Store:
 
     def list_templates(self) -> list[Template]:
         out = []
-        for key, _size, _ in self.backend.list("templates/"):
-            name = key.split("/", 1)[1]
+        keys = [key for prefix in (TEMPLATE_PREFIX, TAGGED_TEMPLATE_PREFIX) for key, _size, _ in self.backend.list(prefix)]
+        for key in keys:
             try:
-                out.append(self.get_template(name))
+                out.append(self.get_template(name_of_key(key)))
             except (NotFound, CorruptObject, InvalidInput):
                 continue
         return sorted(out, key=lambda t: t.name)

@@ -3,14 +3,16 @@
 A template names either an image (a `NAME:TAG` ref: a sandbox boots it) or a
 snapshot (a sandbox restores it, already running). It is a small JSON object:
 
-    templates/<NAME>     {"kind": "image" | "snapshot", "target": "<ref or id>",
-                          "created": <unix seconds>, "owner": "<team>" (optional),
-                          "process": {"env": {..}, "cwd": "..", "user": ".."} (optional:
-                          what every process of a sandbox made from it starts with)}
+    templates/<NAME>            {"kind": "image" | "snapshot", "target": "<ref or id>",
+    template-tags/<NAME>/<TAG>   "created": <unix seconds>, "owner": "<team>" (optional),
+                                 "process": {"env": {..}, "cwd": "..", "user": ".."} (optional:
+                                 what every process of a sandbox made from it starts with)}
 
-Template names follow the ref alphabet (letter or digit first, then letters,
-digits, '.', '_', '-'; at most 128), so they are safe as object keys. GC
-marks whatever templates point at.
+A name may carry a tag, as E2B's do (`my-snap:v2`); no tag means the tag
+`default`, so `NAME` and `NAME:default` are one template, kept where
+untagged names always were. Names and tags follow the ref alphabet (letter
+or digit first, then letters, digits, '.', '_', '-'; at most 128 each), so
+they are safe as object keys. GC marks whatever templates point at.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from .refs import parse_ref
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 KINDS = ("image", "snapshot")
+DEFAULT_TAG = "default"  # E2B's: a template named without a tag
+TEMPLATE_PREFIX, TAGGED_TEMPLATE_PREFIX = "templates/", "template-tags/"
 
 
 @dataclass(frozen=True)
@@ -51,19 +55,33 @@ class Template:
 
 
 def check_template_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise InvalidInput(f"invalid template name {name!r}: letters, digits, '.', '_', '-' "
-                           "(starting with a letter or digit, at most 128)")
-    return name
+    """`name` as its canonical spelling: `NAME` for `NAME` and `NAME:default`,
+    else `NAME:TAG`; InvalidInput for anything else."""
+    base, sep, tag = name.partition(":") if isinstance(name, str) else ("", "", "")
+    if not _NAME_RE.fullmatch(base) or sep and not _NAME_RE.fullmatch(tag):
+        raise InvalidInput(f"invalid template name {name!r}: NAME or NAME:TAG, each of letters, digits, '.', '_', "
+                           "'-' (starting with a letter or digit, at most 128)")
+    return base if tag in ("", DEFAULT_TAG) else f"{base}:{tag}"
 
 
 def template_key(name: str) -> str:
-    return f"templates/{check_template_name(name)}"
+    base, _, tag = check_template_name(name).partition(":")
+    return f"{TAGGED_TEMPLATE_PREFIX}{base}/{tag}" if tag else f"{TEMPLATE_PREFIX}{base}"
+
+
+def name_of_key(key: str) -> str:
+    """The template name stored under `key` (InvalidInput if no template's key)."""
+    if key.startswith(TEMPLATE_PREFIX):
+        return check_template_name(key[len(TEMPLATE_PREFIX):])
+    base, _, tag = key.removeprefix(TAGGED_TEMPLATE_PREFIX).partition("/")
+    if not key.startswith(TAGGED_TEMPLATE_PREFIX) or tag in ("", DEFAULT_TAG):
+        raise InvalidInput(f"{key!r} is no template's key")
+    return check_template_name(f"{base}:{tag}")
 
 
 def new_template(name: str, kind: str, target: str, *, owner: str = "", process: dict | None = None) -> Template:
     """A validated template (the target's existence is the store's check)."""
-    check_template_name(name)
+    name = check_template_name(name)
     if kind == "image":
         target = str(parse_ref(target))
     elif kind == "snapshot":

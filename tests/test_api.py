@@ -19,11 +19,13 @@ from tests.conftest import needs_qemu
 from tests.node_server import ADMIN_KEY, API_KEY, ROOT, NodeServer
 
 pytestmark = needs_qemu
+OTHER_TEAM_KEY = "test-beta-key-0001"  # team beta's: sees none of the default team's
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, guest: Path) -> Iterator[NodeServer]:
-    srv = NodeServer(tmp_path_factory.mktemp("node"), guest, STRATA_MAX_UPLOAD="16M")
+    srv = NodeServer(tmp_path_factory.mktemp("node"), guest, STRATA_MAX_UPLOAD="16M",
+                     STRATA_API_KEYS=f"{API_KEY},beta:{OTHER_TEAM_KEY}")
     srv.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
     srv.start()
     r = srv.client.post("/templates", json={"name": "base", "image": "guest:v1"})
@@ -84,6 +86,44 @@ def test_e2b_sdk_round_trip(server: NodeServer, monkeypatch: pytest.MonkeyPatch)
     assert (Sandbox.get_info(sid).end_at - Sandbox.get_info(sid).started_at).total_seconds() > 250
     assert sbx.kill() is True
     assert Sandbox.kill(sid) is False
+    assert ids(server) == []
+
+
+def test_e2b_sdk_snapshots_are_templates(server: NodeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2B's snapshots are templates: create_snapshot's id (bare or `:default`)
+    and its NAME:TAG names start sandboxes with the files it kept;
+    list_snapshots filters by sandbox and by name; delete_snapshot removes
+    the snapshot with its names, and another team sees none of it."""
+    from e2b import Sandbox, SandboxException
+
+    monkeypatch.setenv("E2B_API_URL", server.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", server.url)
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    sbx = Sandbox.create(template="base", timeout=300)
+    sbx.commands.run("echo kept > /root/f && sync")
+    plain = sbx.create_snapshot()
+    named = sbx.create_snapshot(name="sdk-snap:v2")
+    assert plain.names == [] and named.names == ["sdk-snap:v2"]
+    listed = {s.snapshot_id: s.names for s in sbx.list_snapshots().next_items()}
+    assert listed == {plain.snapshot_id: [], named.snapshot_id: ["sdk-snap:v2"]}
+    assert [s.snapshot_id for s in Sandbox.list_snapshots(name="sdk-snap:v2").next_items()] == [named.snapshot_id]
+    for template in (plain.snapshot_id, f"{plain.snapshot_id}:default", "sdk-snap:v2"):
+        child = Sandbox.create(template, timeout=120)
+        assert child.commands.run("cat /root/f").stdout == "kept\n", template
+        child.kill()
+    with pytest.raises(SandboxException, match="404"):
+        Sandbox.create("sdk-snap")  # the tag `default` is another template: none
+    other = httpx.Client(base_url=server.url, headers={"X-API-Key": OTHER_TEAM_KEY}, timeout=60)
+    assert other.post("/sandboxes", json={"templateID": plain.snapshot_id}).status_code == 404
+    assert other.delete(f"/templates/{plain.snapshot_id}").status_code == 404
+    assert other.get("/snapshots").json() == []
+
+    assert Sandbox.delete_snapshot(plain.snapshot_id) is True
+    assert Sandbox.delete_snapshot(plain.snapshot_id) is False  # gone: 404
+    assert Sandbox.delete_snapshot(f"{named.snapshot_id}:default") is True  # with its name
+    assert "sdk-snap:v2" not in [t["templateID"] for t in server.client.get("/templates").json()]
+    assert sbx.list_snapshots().next_items() == []
+    sbx.kill()
     assert ids(server) == []
 
 

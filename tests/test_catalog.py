@@ -185,6 +185,27 @@ def test_a_snapshot_something_needs_is_not_deleted(world: World) -> None:
     assert world.deleted == 1
 
 
+def test_deleting_a_snapshot_as_a_template_takes_its_names(world: World) -> None:
+    """E2B's delete_snapshot (DELETE /templates/ID): the snapshot goes with
+    its names, unless a paused sandbox needs it (409, nothing removed);
+    another team's is unknown; a template cannot be named like a snapshot id."""
+    world.cat.create_template(ALPHA, "snap-tpl:v2", image=None, snapshot=world.snap)
+    world.cat.create_template(ALPHA, "snap-tpl", image=None, snapshot=world.snap)
+    with pytest.raises(NotFound):
+        world.cat.delete_template(BETA, world.snap)
+    world.users[world.snap] = ["sandbox sb1"]
+    with pytest.raises(Conflict, match="sandbox sb1"):
+        world.cat.delete_template(ALPHA, f"{world.snap}:default")
+    assert [t.name for t in world.store.list_templates()] == ["base", "snap-tpl", "snap-tpl:v2"]
+    world.users.clear()
+    world.cat.delete_template(ALPHA, world.snap)
+    assert [t.name for t in world.store.list_templates()] == ["base"] and world.deleted == 1
+    with pytest.raises(NotFound):
+        world.cat.snapshot(ALPHA, world.snap)
+    with pytest.raises(InvalidInput, match="snapshot id"):
+        world.cat.create_template(ALPHA, "ab" * 32, image="base:v1", snapshot=None)
+
+
 def test_chunks_for_peers_come_from_this_store(world: World) -> None:
     """A stored chunk is returned as its object; an unknown digest is 404."""
     digest = next(d for d in world.store.get_layer(world.manifest).chunks.values() if d is not None)

@@ -38,8 +38,8 @@ STRATA_ONLY: dict[tuple[str, str], str] = {
     ("POST", "/sandboxes/{sandboxID}/exec"): "E2B runs commands only through envd (which Strata serves too); this "
                                              "is Strata's one-request command call",
     ("GET", "/snapshots/{snapshotID}"): "inspect a snapshot's layers and stored size; E2B has no such view",
-    ("DELETE", "/snapshots/{snapshotID}"): "E2B deletes a snapshot as a template (DELETE /templates/{templateID}); "
-                                           "Strata's snapshots exist without a name",
+    ("DELETE", "/snapshots/{snapshotID}"): "E2B deletes a snapshot as a template (DELETE /templates/{templateID}, "
+                                           "which Strata serves too); this one refuses while a name still needs it",
     ("GET", "/images"): "raw images imported into the store: Strata's own",
     ("GET", "/images/{ref}"): "raw images: Strata's own",
     ("PUT", "/images/{ref}"): "raw images: Strata's own",

@@ -98,14 +98,14 @@ def test_roots_refs_templates_snapshots_are_kept(tmp_path: Path) -> None:
     snap = store.put_snapshot(_snap(ids))
     write_image(tmp_path / "t.img", "rp", seed=3)
     import_image(store, tmp_path / "t.img", "tpl-image:v1")
-    store.put_template(new_template("t1", "image", "tpl-image:v1"))
+    store.put_template(new_template("t1:v1", "image", "tpl-image:v1"))  # a tagged name is a root too
     store.delete_ref("tpl-image:v1")  # still named by the template
     for i in range(2):
         gc.collect(store, grace=0, now=time.time() + 10 + i)
     assert store.get_snapshot(snap) and not verify_store(store).errors
     assert gc.plan(store, grace=0).candidates == {}  # nothing reachable was ever a candidate
     store.delete_snapshot(snap)
-    store.delete_template("t1")
+    store.delete_template("t1:v1")
     for i in range(2):
         report = gc.collect(store, grace=0, now=time.time() + 20 + i)
     assert report.deleted > 0 and keys(store, "chunks/") == set() and keys(store, "manifests/") == set()
