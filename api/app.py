@@ -35,6 +35,7 @@ from .proxy import OriginForm
 from .routes import ROUTERS
 from .routes.builds import is_upload
 from .routes.envd import is_data_plane
+from .routes.volumes import is_volume_content
 from .teams import caller_of
 
 TITLE = "Strata node API"
@@ -73,7 +74,8 @@ async def _key_first(request: Request, call_next: Callable[[Request], Awaitable[
     and tell admin keys apart.) A keyed request that is not long work runs
     in one of its team's places among short requests (api/limits.py)."""
     path = request.url.path
-    if (request.method, path) in OPEN or is_data_plane(path) or is_upload(request.method, path):
+    if (request.method, path) in OPEN or is_data_plane(path) or is_upload(request.method, path) or \
+            is_volume_content(path):  # the volume's token: its route checks it
         return await call_next(request)
     caller = caller_of(request.headers.get(KEY_HEADER.model.name), request.app.state.node.config)
     if caller is None:  # and hang up: the body is never read

@@ -25,6 +25,7 @@ from layerstore.importer import import_image
 from layerstore.refs import RESERVED_PREFIX, Ref, is_reserved, parse_ref
 from layerstore.store import Store, inspect_image
 from layerstore.templates import Template, check_template_name, new_template
+from layerstore.volumes import Volumes
 
 from . import models as m
 from .sources import snapshot_id_of
@@ -97,11 +98,13 @@ class Catalog:
         return name
 
     def _stored_bytes(self, team: str) -> int:
-        """Bytes stored for a team's images and snapshots, each chunk and pack once."""
+        """Bytes stored for a team's images, snapshots and volumes, each chunk and pack once."""
         layers = [manifest for ref, manifest, _u in self.store.list_refs()
                   if (self.store.ref_owner(ref) or DEFAULT_TEAM) == team]
         for s in inventory.list_snapshots(self.store, team=team):
             layers += self.store.get_snapshot(s.snapshot_id).layers.values()
+        layers += [layer for v in Volumes(self.store.backend).list() if (v.owner or DEFAULT_TEAM) == team
+                   for layer in v.layers()]
         return self.store.stored_bytes(layers)[0]
 
     # snapshots (layerstore/inventory.py answers; this only shapes the reply) ------------
@@ -214,9 +217,9 @@ class Catalog:
         quota (429)."""
         check_not_reserved(caller, parse_ref(ref))
         self._check_ref_free(caller, ref)
-        self._check_stored(caller, int(declared) if declared and declared.isdigit() else 0)
+        self.check_stored(caller, int(declared) if declared and declared.isdigit() else 0)
 
-    def _check_stored(self, caller: Caller, adding: int) -> None:
+    def check_stored(self, caller: Caller, adding: int) -> None:
         """QuotaExceeded if `adding` raw bytes would take the team past
         team_max_stored (raw bytes: what they store is at most that)."""
         if self.config.team_limit(self.config.team_max_stored, caller.team) is not None:
@@ -231,7 +234,7 @@ class Catalog:
         await anyio.to_thread.run_sync(lambda: self.check_import(caller, ref, declared))
         async with staged(chunks, directory=self._uploads, limit=self.config.max_upload, declared=declared) as path:
             # again with what arrived: a chunked upload declares no size
-            await anyio.to_thread.run_sync(lambda: self._check_stored(caller, path.stat().st_size))
+            await anyio.to_thread.run_sync(lambda: self.check_stored(caller, path.stat().st_size))
             result = await anyio.to_thread.run_sync(
                 lambda: import_image(self.store, str(path), None, annotations={"source": "api upload"}))
             await anyio.to_thread.run_sync(lambda: self._publish(caller, ref, result.manifest_id))

@@ -141,6 +141,7 @@ class NodeContext:
         from .pools import POOL, WarmPools
         from .server import watch_metrics
         from .supervisor import MountSupervisor
+        from .volumes import TeamVolumes
 
         c, boxes, metrics = self.config, self.sandboxes(), Metrics()
         store, state = boxes.store, Path(c.state_dir)
@@ -158,7 +159,8 @@ class NodeContext:
                     supervisor=MountSupervisor(c, boxes, disposable=lambda r: r.kind == POOL), watchers=watchers,
                     lifetimes=Lifetimes(c, boxes, cluster, quietly=metrics.quietly), pools=pools, lifecycle=lifecycle,
                     access=Access(c, boxes, lifecycle.record),
-                    builds=Builds(lifecycle, catalog, boxes, store, state / "template-files"), hold_stale=hold_stale)
+                    builds=Builds(lifecycle, catalog, boxes, store, state / "template-files"),
+                    volumes=TeamVolumes(store, c, catalog, uploads=state / "uploads"), hold_stale=hold_stale)
         watch_metrics(node)
         return node
 

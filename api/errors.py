@@ -6,6 +6,7 @@ Errors are `{"code", "message"}` with:
     NotFound                 404             unknown id, ref, template
     InvalidInput, bad body   400             nothing was changed
     Conflict, MissingChunk   409             wrong state / snapshot incomplete
+    Unauthorized             401             a volume content request without that volume's token
     Forbidden                403             a sandbox port without its traffic access token
     AgentBusy                409             another command holds the sandbox's agent
     CorruptObject            409             stored data fails verification (`strata verify` names it)
@@ -21,7 +22,7 @@ Errors are `{"code", "message"}` with:
 Bad stored data (a corrupt record, manifest or chunk) is never a 500: it
 is CorruptObject, NotFound or MissingChunk, raised where it is read.
 
-The API's own failures (Capacity, Forbidden, TooLarge) are defined in
+The API's own failures (Capacity, Unauthorized, Forbidden, TooLarge) are defined in
 api/exceptions.py, without FastAPI, so the command line can raise them
 without loading the web framework.
 """
@@ -39,14 +40,14 @@ from vmm.agent import AgentBusy, AgentError, AgentTimeout
 from vmm.network import PoolExhausted
 
 from . import models as m
-from .exceptions import Capacity, Forbidden, TooLarge
+from .exceptions import Capacity, Forbidden, TooLarge, Unauthorized
 from .teams import QuotaExceeded
 
 
 # first match wins: TooLarge before its base class InvalidInput
 STATUS: tuple[tuple[type[StrataError], int], ...] = (
     (NotFound, 404), (TooLarge, 413), (InvalidInput, 400), (Conflict, 409), (MissingChunk, 409), (Capacity, 429),
-    (PoolExhausted, 429), (Forbidden, 403),
+    (PoolExhausted, 429), (Unauthorized, 401), (Forbidden, 403),
     (CorruptObject, 409), (AgentBusy, 409), (AgentTimeout, 504), (AgentError, 502),
     (BackendUnavailable, 503), (BackendError, 502))  # AccessDenied is a BackendError
 NO_RETRY = (429, 503)  # E2B's SDK retries unless told not to; neither clears up by retrying at once

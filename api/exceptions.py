@@ -14,6 +14,10 @@ class Capacity(StrataError):
     """The node holds as many sandboxes as it is configured to."""
 
 
+class Unauthorized(StrataError):
+    """A credential of its own is missing or wrong (a volume's bearer token)."""
+
+
 class Forbidden(StrataError):
     """The caller is known but may not do this (a sandbox port without its traffic token)."""
 

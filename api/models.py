@@ -70,6 +70,11 @@ class SandboxNetworkUpdate(SandboxNetwork):
                                                                              "allowInternetAccess"))
 
 
+class SandboxVolumeMount(BaseModel):
+    name: str = Field(max_length=128)
+    path: str = Field(max_length=4096)
+
+
 class NewSandbox(Lenient):
     templateID: str = Field(description="template (named image or snapshot) or image NAME:TAG")
     timeout: int | None = Field(None, description="seconds to live; default from the node's config")
@@ -84,6 +89,9 @@ class NewSandbox(Lenient):
                                                validation_alias=AliasChoices("allow_internet_access",
                                                                              "allowInternetAccess"))
     network: SandboxNetwork | None = None
+    volumeMounts: list[SandboxVolumeMount] = Field(default_factory=list, max_length=16,
+                                                   description="refused for now (400): the sandbox would not see "
+                                                               "the volume; use the volume content API")
 
 
 class Sandbox(Reply):
@@ -239,8 +247,20 @@ class TemplateStep(Lenient):
     force: bool | None = None
 
 
+class FromImageRegistry(Lenient):
+    """E2B's credentials for a registry `fromImage`: this node pulls with
+    type `registry` (username, password); `aws` and `gcp` are refused with a
+    400 naming what is supported (their other fields are ignored)."""
+    type: str = Field(description="registry (username and password); aws and gcp are not supported")
+    username: str | None = Field(None, max_length=1024)
+    password: str | None = Field(None, max_length=16384)
+
+
 class TemplateBuildStartV2(Lenient):
-    fromImage: str | None = None
+    fromImage: str | None = Field(None, description="an image NAME:TAG in this node's store, or a registry image "
+                                                    "HOST[:PORT]/REPO[:TAG|@sha256:...] from one the node's "
+                                                    "`registries` setting allows")
+    fromImageRegistry: FromImageRegistry | None = None
     fromTemplate: str | None = None
     steps: list[TemplateStep] = Field(default_factory=list, max_length=1000)
     startCmd: str | None = None
@@ -437,3 +457,39 @@ class GcRequest(BaseModel):
 class TransferRequest(BaseModel):
     name: str = Field(description="NAME:TAG, a snapshot id or a template name")
     full: bool = Field(True, description="pull: copy every chunk (false: manifests only, chunks read from the remote)")
+
+
+# volumes (E2B's /volumes and /volumecontent) --------------------------------------------------
+class NewVolume(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]+$", max_length=128)
+
+
+class Volume(Reply):
+    volumeID: str
+    name: str
+
+
+class VolumeAndToken(Reply):
+    volumeID: str
+    name: str
+    token: str = Field(description="the bearer token of the volume's content API (/volumecontent)")
+
+
+class VolumeEntryStat(Reply):
+    name: str
+    type: Literal["file", "directory", "symlink", "unknown"]
+    path: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    atime: datetime
+    mtime: datetime
+    ctime: datetime
+    target: str | SkipJsonSchema[None] = None  # symlinks only (omitted otherwise)
+
+
+class VolumeMetadata(Lenient):
+    uid: int | None = Field(None, ge=0, le=2**31)
+    gid: int | None = Field(None, ge=0, le=2**31)
+    mode: int | None = Field(None, ge=0, le=0o7777)

@@ -10,6 +10,7 @@ api/compose.py, and the background work that keeps them going.
     catalog     api/catalog.py      snapshots, templates, images, chunks
     maintenance api/maintenance.py  GC, push, pull, the hold in the remote
     builds      api/builds.py       template builds
+    volumes     api/volumes.py      a team's persistent file trees (E2B's volumes)
 
 Everything persistent is in the sandbox records (vmm/registry.py) and the
 store, so a restarted node lists its paused sandboxes and resumes them.
@@ -52,6 +53,7 @@ from .supervisor import MountSupervisor
 from .envd import Watchers
 from .teams import ADMIN, Caller
 from .uploads import reap as reap_uploads
+from .volumes import TeamVolumes
 
 log = logging.getLogger("strata.api")
 HOLD_EVERY = 600.0  # seconds between rewrites of this node's hold in its remote (deletes shrink it)
@@ -68,7 +70,7 @@ class Node:
     def __init__(self, config: NodeConfig, boxes: Sandboxes, metrics: Metrics, *, catalog: Catalog,
                  cluster: Membership, maintenance: Maintenance, supervisor: MountSupervisor, watchers: Watchers,
                  lifetimes: Lifetimes, pools: WarmPools, lifecycle: Lifecycle, access: Access, builds: Builds,
-                 hold_stale: threading.Event) -> None:
+                 volumes: TeamVolumes, hold_stale: threading.Event) -> None:
         """`hold_stale` is set when a name is deleted (the catalog's `deleted`): the hold is rewritten then."""
         self.config = config
         self.store = boxes.store
@@ -76,7 +78,7 @@ class Node:
         self.metrics = metrics
         self.catalog, self.cluster, self.maintenance, self.supervisor = catalog, cluster, maintenance, supervisor
         self.watchers, self.lifetimes, self.pools, self.lifecycle = watchers, lifetimes, pools, lifecycle
-        self.access, self.builds = access, builds
+        self.access, self.builds, self.volumes = access, builds, volumes
         self.node_id = cluster.node_id
         self._hold_stale = hold_stale
         self._stop = threading.Event()

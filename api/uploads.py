@@ -37,9 +37,11 @@ def reap(directory: Path) -> int:
 
 @asynccontextmanager
 async def staged(chunks: AsyncIterator[bytes], *, directory: Path, limit: int,
-                 declared: str | None = None) -> AsyncIterator[Path]:
+                 declared: str | None = None, allow_empty: bool = False) -> AsyncIterator[Path]:
     """The body `chunks` as a file in `directory` for the duration of the
-    block; `declared` is the request's Content-Length, if it sent one."""
+    block; `declared` is the request's Content-Length, if it sent one. An
+    empty body is refused unless `allow_empty` (an empty file is a file;
+    an empty image is a mistake)."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"upload of {declared} bytes exceeds the {limit}-byte limit")
     directory.mkdir(parents=True, exist_ok=True)
@@ -47,7 +49,7 @@ async def staged(chunks: AsyncIterator[bytes], *, directory: Path, limit: int,
     try:
         with os.fdopen(fd, "wb") as f:
             received = await _receive(chunks, f, limit=limit)
-        if received == 0:
+        if received == 0 and not allow_empty:
             raise InvalidInput("empty upload: send the content as the request body")
         yield Path(tmp)
     finally:

@@ -47,6 +47,7 @@ from .manifest import MANIFEST_PREFIX, manifest_key
 from .pack import PACK_PREFIX, pack_key
 from .reach import Closure, Name
 from .store import PARTIAL_PREFIX, PREFETCH_PREFIX, SET_CHUNKS_PREFIX, Store
+from .volumes import Volumes
 
 CANDIDATES = "gc/candidates"
 SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX, PACK_PREFIX)
@@ -93,6 +94,7 @@ def roots(store: Store) -> list[Name]:
     names = [Name("image", str(ref)) for ref, _manifest, _updated in store.list_refs()]
     names += [Name("template", t.name) for t in store.list_templates()]
     names += [Name("snapshot", s) for s in store.list_snapshots()]
+    names += [Name("layer", layer) for volume in Volumes(store.backend).list(strict=True) for layer in volume.layers()]
     return names
 
 

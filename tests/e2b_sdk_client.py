@@ -3,7 +3,7 @@
 The SDK's client is generated from E2B's OpenAPI spec: one module per operation
 under api/<tag>/, attrs models under models/. This module reads it back:
 
-- method and path: from the dict literal in each module's `_get_kwargs`, read
+- method and path (of the API's client and the volume content API's): from the dict literal in each module's `_get_kwargs`, read
   with `ast` (an f-string's {sandbox_id} becomes {sandboxID}), so no arguments
   need inventing;
 - status codes: from the `if response.status_code == N:` branches of
@@ -36,7 +36,7 @@ from functools import cache
 
 import attrs
 
-PACKAGE = "e2b.api.client"
+PACKAGES = ("e2b.api.client", "e2b.volume.client")  # the API's client, and the volume content API's
 SAMPLE_TIME = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
 
 
@@ -76,14 +76,15 @@ def normalized(path: str) -> str:
 
 @cache
 def operations() -> dict[tuple[str, str], Operation]:
-    """Every operation of the SDK's client, keyed by (METHOD, normalized path)."""
-    api = importlib.import_module(f"{PACKAGE}.api")
+    """Every operation of the SDK's clients, keyed by (METHOD, normalized path)."""
     found = {}
-    for tag in pkgutil.iter_modules(api.__path__):
-        package = importlib.import_module(f"{api.__name__}.{tag.name}")
-        for mod in pkgutil.iter_modules(package.__path__):
-            op = _operation(tag.name, importlib.import_module(f"{package.__name__}.{mod.name}"))
-            found[op.method, normalized(op.path)] = op
+    for client in PACKAGES:
+        api = importlib.import_module(f"{client}.api")
+        for tag in pkgutil.iter_modules(api.__path__):
+            package = importlib.import_module(f"{api.__name__}.{tag.name}")
+            for mod in pkgutil.iter_modules(package.__path__):
+                op = _operation(tag.name, importlib.import_module(f"{package.__name__}.{mod.name}"))
+                found[op.method, normalized(op.path)] = op
     return found
 
 
@@ -192,7 +193,8 @@ def _target(statement: ast.stmt) -> str | None:
 
 def _hints(obj: object, module: types.ModuleType) -> dict[str, object]:
     """Annotations resolved; the models name each other under TYPE_CHECKING only."""
-    models = importlib.import_module(f"{PACKAGE}.models")
+    client = next(p for p in PACKAGES if module.__name__.startswith(p + "."))
+    models = importlib.import_module(f"{client}.models")
     return typing.get_type_hints(obj, {**vars(models), **vars(module)})
 
 

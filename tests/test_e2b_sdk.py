@@ -211,6 +211,9 @@ def request_problems(doc: dict, key: tuple[str, str]) -> list[str]:
     schema, body_required = _json_schema(op.get("requestBody")), bool(op.get("requestBody", {}).get("required"))
     if sdk.body is None:
         return ["ours requires a body, the SDK sends none"] if body_required else []
+    if sdk.body.__name__ == "File":  # raw bytes (the SDK's types.File), not JSON
+        raw = "application/octet-stream" in op.get("requestBody", {}).get("content", {})
+        return [] if raw else ["the SDK sends raw bytes, ours takes no application/octet-stream body"]
     if schema is None:
         return [f"the SDK sends a {sdk.body.__name__}, ours takes no JSON body"]
     problems = ["ours requires a body, the SDK may send none"] if body_required and sdk.body_optional else []

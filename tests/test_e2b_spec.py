@@ -58,6 +58,10 @@ STRATA_ONLY: dict[tuple[str, str], str] = {
 # Operations the e2b SDK's client (PyPI e2b 2.x) calls that the pinned spec above predates:
 # checked against the SDK by test_e2b_sdk.py, not against this spec.
 NEWER_THAN_SPEC: dict[tuple[str, str], str] = {
+    **{(method, f"/volumecontent/{{volumeID}}/{what}"): "the volume content API: the SDK's own client "
+       "(e2b.volume.client), from a spec of its own" for method, what in (
+           ("GET", "path"), ("DELETE", "path"), ("PATCH", "path"), ("GET", "dir"), ("POST", "dir"),
+           ("GET", "file"), ("PUT", "file"))},
     ("POST", "/v2/sandboxes"): "e2b 2.x creates sandboxes here (NewSandboxV2)",
     ("POST", "/v2/sandboxes/{sandboxID}/connect"): "e2b 2.x connects here (ConnectSandboxV2)",
 }

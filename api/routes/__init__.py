@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import admin, builds, envd, images, node, peers, sandboxes, snapshots, templates
+from . import admin, builds, envd, images, node, peers, sandboxes, snapshots, templates, volumes
 
 # the order requests are matched in, and the order of the OpenAPI document
 ROUTERS: tuple[APIRouter, ...] = (node.router, sandboxes.router, snapshots.router, templates.router,
                                   images.router, peers.router, node.cache_router, admin.router,
-                                  builds.router, builds.uploads, envd.router)
+                                  builds.router, builds.uploads, volumes.router, volumes.content, envd.router)

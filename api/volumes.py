@@ -1,0 +1,136 @@
+"""E2B's volumes: a team's persistent file trees (layerstore/volumes.py
+keeps them in the store), managed with an API key (`/volumes`) and read
+and written with the volume's own bearer token (`/volumecontent/{id}/...`).
+
+Another team's volume is unknown (404), exactly like a missing one. On the
+content API an unknown volume and a wrong token are the same 401, so the
+token is all a content request can learn from. Uploads are staged within
+`max_upload` and count against the team's `team_max_stored`, like images.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from posixpath import basename
+
+import anyio
+
+from layerstore.config import DEFAULT_TEAM, NodeConfig
+from layerstore.errors import NotFound, StrataError
+from layerstore.store import Store
+from layerstore.volumes import (DIRECTORY, FILE, Entry, Volume, Volumes, check_path, check_volume_id, make_dir,
+                                put_entry, read_bytes, remove, set_metadata, store_bytes)
+
+from . import models as m
+from .catalog import Catalog
+from .exceptions import Unauthorized
+from .teams import Caller, same_secret
+from .uploads import staged
+
+DEFAULT_FILE_MODE, DEFAULT_DIR_MODE = 0o644, 0o755
+
+
+def _info(volume: Volume) -> m.VolumeAndToken:
+    return m.VolumeAndToken(volumeID=volume.id, name=volume.name, token=volume.token)
+
+
+def _stat(path: str, entry: Entry) -> m.VolumeEntryStat:
+    times = {k: m.timestamp(entry.mtime) for k in ("atime", "mtime")}
+    return m.VolumeEntryStat(name=basename(path), type=entry.type, path="/" + path, size=entry.size,
+                             mode=entry.mode, uid=entry.uid, gid=entry.gid, ctime=m.timestamp(entry.ctime),
+                             target=entry.target, **times)
+
+
+class TeamVolumes:
+    def __init__(self, store: Store, config: NodeConfig, catalog: Catalog, *, uploads: Path) -> None:
+        self._store = store
+        self._volumes = Volumes(store.backend)
+        self._config = config
+        self._catalog = catalog
+        self._uploads = uploads
+
+    # the control plane: a team's API key ------------------------------------------------------
+    def _own(self, caller: Caller, volume_id: str) -> Volume:
+        volume = self._volumes.get(check_volume_id(volume_id))
+        caller.check_sees(volume.owner, f"volume {volume_id} not found")
+        return volume
+
+    def create(self, caller: Caller, name: str) -> m.VolumeAndToken:
+        return _info(self._volumes.create(name, caller.team))
+
+    def list(self, caller: Caller) -> list[m.Volume]:
+        return [m.Volume(volumeID=v.id, name=v.name) for v in self._volumes.list() if caller.sees(v.owner)]
+
+    def get(self, caller: Caller, volume_id: str) -> m.VolumeAndToken:
+        return _info(self._own(caller, volume_id))
+
+    def destroy(self, caller: Caller, volume_id: str) -> None:
+        """Remove the volume; its files' data stays until GC finds nothing else names it."""
+        self._volumes.delete(self._own(caller, volume_id).id)
+
+    # the content plane: the volume's bearer token ----------------------------------------------
+    def authorized(self, volume_id: str, authorization: str | None) -> Volume:
+        """The volume whose token `Authorization: Bearer` carries; 401 otherwise
+        (an unknown volume included)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        try:
+            volume = self._volumes.get(volume_id)
+        except (NotFound, StrataError):
+            volume = None
+        if volume is None or scheme.lower() != "bearer" or not same_secret(token.strip(), volume.token):
+            raise Unauthorized("missing or invalid volume token (Authorization: Bearer <token from /volumes>)")
+        return volume
+
+    def stat(self, volume: Volume, path: str) -> m.VolumeEntryStat:
+        path = check_path(path)
+        return _stat(path, self._volumes.get(volume.id).entry(path))
+
+    def list_dir(self, volume: Volume, path: str, depth: int) -> list[m.VolumeEntryStat]:
+        path = check_path(path)
+        current = self._volumes.get(volume.id)
+        return [_stat(p, current.entries[p]) for p in current.children(path, depth=depth)]
+
+    def make_dir(self, volume: Volume, path: str, *, uid: int | None, gid: int | None, mode: int | None,
+                 force: bool) -> m.VolumeEntryStat:
+        path, now = check_path(path), time.time()
+        entry = Entry(DIRECTORY, DEFAULT_DIR_MODE if mode is None else mode, uid or 0, gid or 0, now, now)
+        changed = self._volumes.change(volume.id, lambda v: make_dir(v, path, entry, parents=force))
+        return _stat(path, changed.entry(path))
+
+    def remove(self, volume: Volume, path: str) -> None:
+        path = check_path(path)
+        self._volumes.change(volume.id, lambda v: remove(v, path))
+
+    def set_metadata(self, volume: Volume, path: str, body: m.VolumeMetadata) -> m.VolumeEntryStat:
+        path, now = check_path(path), time.time()
+        changed = self._volumes.change(volume.id, lambda v: set_metadata(v, path, uid=body.uid, gid=body.gid,
+                                                                          mode=body.mode, now=now))
+        return _stat(path, changed.entry(path))
+
+    def read(self, volume: Volume, path: str) -> Iterator[bytes]:
+        """The file's bytes, chunk by chunk (NotFound / InvalidInput before the first)."""
+        path = check_path(path)
+        entry = self._volumes.get(volume.id).entry(path)
+        if entry.type != FILE:
+            raise NotFound(f"/{path} is not a file")
+        return read_bytes(self._store, entry)
+
+    async def write(self, volume: Volume, path: str, chunks: AsyncIterator[bytes], *, declared: str | None,
+                    uid: int | None, gid: int | None, mode: int | None, force: bool) -> m.VolumeEntryStat:
+        """Store the body as the file at `path` (parents made). An existing
+        file is replaced only with `force` (E2B's overwrite flag)."""
+        path = check_path(path)
+        owner = Caller(volume.owner or DEFAULT_TEAM)
+        await anyio.to_thread.run_sync(lambda: self._catalog.check_stored(owner, int(declared or 0)
+                                                                          if (declared or "").isdigit() else 0))
+        async with staged(chunks, directory=self._uploads, limit=self._config.max_upload, declared=declared,
+                          allow_empty=True) as staged_path:
+            await anyio.to_thread.run_sync(lambda: self._catalog.check_stored(owner, staged_path.stat().st_size))
+            layer, size = await anyio.to_thread.run_sync(lambda: store_bytes(self._store, staged_path))
+        now = time.time()
+        entry = Entry(FILE, DEFAULT_FILE_MODE if mode is None else mode, uid or 0, gid or 0, now, now, size, layer)
+        changed = await anyio.to_thread.run_sync(lambda: self._volumes.change(
+            volume.id, lambda v: put_entry(v, path, entry, parents=True, replace_file=force)))
+        return _stat(path, changed.entry(path))

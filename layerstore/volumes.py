@@ -1,0 +1,300 @@
+"""Volumes: a team's named, persistent, writable file tree kept in the store.
+
+A volume outlives sandboxes and nodes: it is one small JSON object naming
+its files, and each file's bytes are a layer (chunked, hashed, compressed
+and deduplicated against every image and snapshot, like any other data):
+
+    volumes/<ID>   {"v": 1, "name": "<name>", "owner": "<team>", "created": <unix s>,
+                    "token": "<64 hex: the content API's bearer token>",
+                    "entries": {"<path>": {"type": "file" | "directory" | "symlink",
+                                           "mode": <perm bits>, "uid": <n>, "gid": <n>,
+                                           "mtime": <unix s>, "ctime": <unix s>, "size": <bytes>,
+                                           "layer": "<manifest id>" (files with data),
+                                           "target": "<link text>" (symlinks)}, ...}}
+
+Paths are relative, normalised (`a/b.txt`; the root is "" and has no
+entry), and every entry's parent directory has one. A change is a
+compare-and-swap of the whole object (`Backend.put_if`), retried a few
+times, so two writers (two requests, or two nodes sharing the store)
+never lose each other's update. GC keeps every layer a volume names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from posixpath import dirname
+
+from .backend import Backend
+from .digest import check_digest
+from .errors import Conflict, CorruptObject, InvalidInput, NotFound
+from .importer import import_image
+from .store import Store
+
+VOLUME_PREFIX = "volumes/"
+MAX_ENTRIES = 100_000  # files and directories in one volume (its index is read and written whole)
+MAX_PATH, MAX_PART = 4096, 255
+CAS_TRIES = 16
+_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # E2B's pattern, with a length cap
+_ID_RE = re.compile(r"vol[0-9a-f]{16}")
+FILE, DIRECTORY, SYMLINK = "file", "directory", "symlink"
+
+
+@dataclass(frozen=True)
+class Entry:
+    type: str
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    mtime: float = 0.0
+    ctime: float = 0.0
+    size: int = 0
+    layer: str | None = None  # a file's bytes; None: empty
+    target: str | None = None  # a symlink's text
+
+
+@dataclass(frozen=True)
+class Volume:
+    id: str
+    name: str
+    owner: str
+    created: float
+    token: str
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    def entry(self, path: str) -> Entry:
+        """The entry at `path` (the root is a directory); NotFound if none."""
+        if path == "":
+            return Entry(DIRECTORY, 0o755, mtime=self.created, ctime=self.created)
+        try:
+            return self.entries[path]
+        except KeyError:
+            raise NotFound(f"path /{path} not found in volume {self.name}") from None
+
+    def children(self, path: str, *, depth: int = 1) -> list[str]:
+        """Paths under directory `path`, at most `depth` levels down, sorted."""
+        if self.entry(path).type != DIRECTORY:
+            raise InvalidInput(f"/{path} is not a directory")
+        prefix = f"{path}/" if path else ""
+        return sorted(p for p in self.entries
+                      if p.startswith(prefix) and p[len(prefix):].count("/") < depth)
+
+    def layers(self) -> list[str]:
+        return sorted({e.layer for e in self.entries.values() if e.layer})
+
+    def encode(self) -> bytes:
+        body = {"v": 1, "name": self.name, "owner": self.owner, "created": self.created, "token": self.token,
+                "entries": {p: {k: v for k, v in asdict(e).items() if v is not None}
+                            for p, e in sorted(self.entries.items())}}
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def new_volume_id() -> str:
+    return "vol" + secrets.token_hex(8)
+
+
+def check_volume_id(text: str) -> str:
+    """A volume id from a user; NotFound for text that cannot be one."""
+    if not isinstance(text, str) or not _ID_RE.fullmatch(text):
+        raise NotFound(f"volume {text!r} not found")
+    return text
+
+
+def check_volume_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidInput(f"invalid volume name {name!r}: letters, digits, '_' and '-', at most 128")
+    return name
+
+
+def check_path(text: str) -> str:
+    """A client's path as the volume's key: `/a//b/` -> `a/b`, `/` -> "".
+    `..` is refused (it never leaves the volume, but a client sending it
+    means something the volume cannot do), as are NUL and oversized names."""
+    if not isinstance(text, str) or len(text) > MAX_PATH or "\0" in text:
+        raise InvalidInput("invalid path: at most 4096 characters, no NUL")
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise InvalidInput(f"invalid path {text!r}: '..' is not allowed in a volume path")
+    if any(len(p.encode()) > MAX_PART for p in parts):
+        raise InvalidInput(f"invalid path {text!r}: a name is longer than {MAX_PART} bytes")
+    return "/".join(parts)
+
+
+def parse_volume(volume_id: str, blob: bytes) -> Volume:
+    try:
+        data = json.loads(blob)
+        entries = {}
+        for path, e in data["entries"].items():
+            entry = Entry(**e)
+            if check_path(path) != path or entry.type not in (FILE, DIRECTORY, SYMLINK) or entry.size < 0:
+                raise ValueError(f"bad entry {path!r}")
+            if entry.layer is not None:
+                check_digest(entry.layer, what="layer")
+            entries[path] = entry
+        return Volume(volume_id, check_volume_name(data["name"]), str(data["owner"]), float(data["created"]),
+                      str(data["token"]), entries)
+    except (ValueError, KeyError, TypeError, InvalidInput) as exc:
+        raise CorruptObject(f"volume {volume_id} is malformed: {exc}") from None
+
+
+class Volumes:
+    """The volumes of one store (the backend's compare-and-swap makes
+    concurrent writers safe, on one node or many)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def create(self, name: str, owner: str) -> Volume:
+        """A new empty volume; Conflict if `owner` already has one of that name."""
+        check_volume_name(name)
+        if any(v.name == name and v.owner == owner for v in self.list()):
+            raise Conflict(f"volume {name} already exists")
+        volume = Volume(new_volume_id(), name, owner, time.time(), secrets.token_hex(32))
+        if self._backend.put_new(VOLUME_PREFIX + volume.id, volume.encode()) is None:
+            raise Conflict(f"volume id {volume.id} is taken: try again")
+        return volume
+
+    def get(self, volume_id: str) -> Volume:
+        return self._read(check_volume_id(volume_id))[0]
+
+    def list(self, *, strict: bool = False) -> list[Volume]:
+        """Every volume, by name; a malformed one is left out, or with
+        `strict` (GC, which must not delete what it names) raised."""
+        out = []
+        for info in self._backend.list(VOLUME_PREFIX):
+            try:
+                out.append(self.get(info.key[len(VOLUME_PREFIX):]))
+            except NotFound:
+                continue  # deleted since the listing
+            except CorruptObject:
+                if strict:
+                    raise
+                continue
+        return sorted(out, key=lambda v: (v.name, v.id))
+
+    def delete(self, volume_id: str) -> Volume:
+        volume = self.get(volume_id)
+        self._backend.delete(VOLUME_PREFIX + volume.id)
+        return volume
+
+    def change(self, volume_id: str, edit: Callable[[Volume], Volume]) -> Volume:
+        """Apply `edit` to the current volume and publish the result if
+        nobody changed it meanwhile (else read again and retry)."""
+        for _ in range(CAS_TRIES):
+            volume, version = self._read(check_volume_id(volume_id))
+            changed = edit(volume)
+            if len(changed.entries) > MAX_ENTRIES:
+                raise InvalidInput(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
+            if self._backend.put_if(VOLUME_PREFIX + volume.id, changed.encode(), version) is not None:
+                return changed
+        raise Conflict(f"volume {volume_id} is changing too fast: try again")
+
+    def _read(self, volume_id: str) -> tuple[Volume, str]:
+        key = VOLUME_PREFIX + volume_id
+        head = self._backend.head(key)
+        if head is None:
+            raise NotFound(f"volume {volume_id} not found")
+        try:
+            blob = self._backend.get(key)
+        except NotFound:
+            raise NotFound(f"volume {volume_id} not found") from None
+        return parse_volume(volume_id, blob), head.version
+
+
+# edits: pure functions of a volume, applied under `Volumes.change` -------------------------------
+def with_parents(volume: Volume, path: str, *, uid: int = 0, gid: int = 0, now: float) -> dict[str, Entry]:
+    """The entries plus any missing parent directories of `path`; InvalidInput
+    if a parent is a file."""
+    entries = dict(volume.entries)
+    parent = dirname(path)
+    missing = []
+    while parent:
+        found = entries.get(parent)
+        if found is not None:
+            if found.type != DIRECTORY:
+                raise InvalidInput(f"/{parent} is not a directory")
+            break
+        missing.append(parent)
+        parent = dirname(parent)
+    for p in missing:
+        entries[p] = Entry(DIRECTORY, 0o755, uid, gid, now, now)
+    return entries
+
+
+def put_entry(volume: Volume, path: str, entry: Entry, *, parents: bool, replace_file: bool) -> Volume:
+    """`volume` with `entry` at `path`. Parent directories are made when
+    `parents`, else one missing is NotFound; a directory in the way is a
+    Conflict, and so is an existing file unless `replace_file`."""
+    if path == "":
+        raise Conflict("the volume's root cannot be replaced")
+    if not parents and dirname(path) and dirname(path) not in volume.entries:
+        raise NotFound(f"parent directory /{dirname(path)} not found")
+    entries = with_parents(volume, path, uid=entry.uid, gid=entry.gid, now=entry.mtime)
+    old = entries.get(path)
+    if old is not None and (old.type == DIRECTORY or not replace_file):
+        raise Conflict(f"/{path} already exists" + (" (a directory)" if old.type == DIRECTORY else ""))
+    entries[path] = entry
+    return replace(volume, entries=entries)
+
+
+def make_dir(volume: Volume, path: str, entry: Entry, *, parents: bool) -> Volume:
+    """`volume` with directory `path`; with `parents` (E2B's force) an
+    existing directory is fine and missing parents are made."""
+    found = volume.entries.get(path) if path else Entry(DIRECTORY, 0o755)
+    if found is not None and found.type == DIRECTORY and parents:
+        return volume
+    return put_entry(volume, path, entry, parents=parents, replace_file=False)
+
+
+def remove(volume: Volume, path: str) -> Volume:
+    """`volume` without `path` and, for a directory, everything under it."""
+    volume.entry(path)
+    if path == "":
+        raise InvalidInput("the volume's root cannot be removed: destroy the volume instead")
+    entries = {p: e for p, e in volume.entries.items() if p != path and not p.startswith(path + "/")}
+    return replace(volume, entries=entries)
+
+
+def set_metadata(volume: Volume, path: str, *, uid: int | None, gid: int | None, mode: int | None,
+                 now: float) -> Volume:
+    old = volume.entry(path)
+    if path == "":
+        raise InvalidInput("the volume's root has no metadata to change")
+    new = replace(old, uid=old.uid if uid is None else uid, gid=old.gid if gid is None else gid,
+                  mode=old.mode if mode is None else mode, ctime=now)
+    return replace(volume, entries={**volume.entries, path: new})
+
+
+# file bytes: layers ----------------------------------------------------------------------------
+def store_bytes(store: Store, path: os.PathLike[str] | str) -> tuple[str | None, int]:
+    """The file at `path` as a layer of `store`: (manifest id, size); an
+    empty file needs none."""
+    size = os.stat(path).st_size
+    if size == 0:
+        return None, 0
+    return import_image(store, path, None, annotations={"source": "volume"}).manifest_id, size
+
+
+def read_bytes(store: Store, entry: Entry) -> Iterator[bytes]:
+    """A file entry's bytes, a chunk at a time, each verified as it is read."""
+    if entry.type != FILE:
+        raise InvalidInput("not a file")
+    if entry.layer is None or entry.size == 0:
+        return
+    top, resolved = store.chunk_map(entry.layer)
+    packed = store.packed_map(entry.layer)
+    if top.size != entry.size:
+        raise CorruptObject(f"layer {entry.layer} holds {top.size} bytes, the volume says {entry.size}")
+    cs = top.chunk_size
+    for index in range((top.size + cs - 1) // cs):
+        want = min(cs, top.size - index * cs)
+        digest = resolved.get(index)
+        data = store.read_chunk(digest, packed.get(digest)) if digest is not None else bytes(want)
+        if len(data) != want:
+            raise CorruptObject(f"chunk {digest} holds {len(data)} bytes, slot {index} needs {want}")
+        yield data
