@@ -147,6 +147,16 @@ class Catalog:
     def templates(self, caller: Caller) -> list[m.Template]:
         return [self._template(t) for t in self.store.list_templates() if caller.sees(t.owner)]
 
+    def template_alias(self, caller: Caller, alias: str) -> m.TemplateAlias:
+        """E2B's Template.exists: the caller's template of that name (another
+        team's is unknown here, as everywhere; E2B answers 403)."""
+        try:
+            template = self.store.get_template(check_template_name(alias))
+        except InvalidInput:
+            raise NotFound(f"template {alias!r} not found") from None
+        caller.check_sees(template.owner, f"template {alias} not found")
+        return m.TemplateAlias(templateID=template.name, public=False)
+
     def create_template(self, caller: Caller, name: str, *, image: str | None, snapshot: str | None) -> m.Template:
         """Name one of the caller's images (NAME:TAG) or snapshots; exactly one
         of them. A name another team holds is 409."""

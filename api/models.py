@@ -334,6 +334,11 @@ class SnapshotInfo(Reply):
     names: list[str]
 
 
+class TemplateAlias(Reply):
+    templateID: str
+    public: bool = Field(description="always false: a template is its team's")
+
+
 class Template(Reply):
     templateID: str
     buildID: str

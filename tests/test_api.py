@@ -94,7 +94,7 @@ def test_e2b_sdk_snapshots_are_templates(server: NodeServer, monkeypatch: pytest
     and its NAME:TAG names start sandboxes with the files it kept;
     list_snapshots filters by sandbox and by name; delete_snapshot removes
     the snapshot with its names, and another team sees none of it."""
-    from e2b import Sandbox, SandboxException
+    from e2b import Sandbox, SandboxException, Template
 
     monkeypatch.setenv("E2B_API_URL", server.url)
     monkeypatch.setenv("E2B_SANDBOX_URL", server.url)
@@ -113,10 +113,12 @@ def test_e2b_sdk_snapshots_are_templates(server: NodeServer, monkeypatch: pytest
         child.kill()
     with pytest.raises(SandboxException, match="404"):
         Sandbox.create("sdk-snap")  # the tag `default` is another template: none
+    assert Template.exists("sdk-snap:v2") and not Template.exists("sdk-snap") and not Template.exists("../x")
     other = httpx.Client(base_url=server.url, headers={"X-API-Key": OTHER_TEAM_KEY}, timeout=60)
     assert other.post("/sandboxes", json={"templateID": plain.snapshot_id}).status_code == 404
     assert other.delete(f"/templates/{plain.snapshot_id}").status_code == 404
     assert other.get("/snapshots").json() == []
+    assert other.get("/templates/aliases/sdk-snap:v2").status_code == 404
 
     assert Sandbox.delete_snapshot(plain.snapshot_id) is True
     assert Sandbox.delete_snapshot(plain.snapshot_id) is False  # gone: 404

@@ -21,6 +21,11 @@ def create_template(body: m.NewTemplate, node: NodeDep, caller: CallerDep) -> m.
     return node.catalog.create_template(caller, body.name, image=body.image, snapshot=body.snapshot)
 
 
+@router.get("/templates/aliases/{alias}", response_model=m.TemplateAlias)
+def template_alias(alias: str, node: NodeDep, caller: CallerDep) -> m.TemplateAlias:
+    return node.catalog.template_alias(caller, alias)
+
+
 @router.delete("/templates/{templateID}", status_code=204)
 def delete_template(templateID: str, node: NodeDep, caller: CallerDep) -> Response:
     node.catalog.delete_template(caller, templateID)
