@@ -110,7 +110,9 @@ def test_e2b_sdk_snapshots_are_templates(server: NodeServer, monkeypatch: pytest
     for template in (plain.snapshot_id, f"{plain.snapshot_id}:default", "sdk-snap:v2"):
         child = Sandbox.create(template, timeout=120)
         assert child.commands.run("cat /root/f").stdout == "kept\n", template
+        assert child.is_running()
         child.kill()
+        assert not child.is_running()  # envd's health through the node: 502 for a sandbox that is gone
     with pytest.raises(SandboxException, match="404"):
         Sandbox.create("sdk-snap")  # the tag `default` is another template: none
     assert Template.exists("sdk-snap:v2") and not Template.exists("sdk-snap") and not Template.exists("../x")
@@ -119,6 +121,9 @@ def test_e2b_sdk_snapshots_are_templates(server: NodeServer, monkeypatch: pytest
     assert other.delete(f"/templates/{plain.snapshot_id}").status_code == 404
     assert other.get("/snapshots").json() == []
     assert other.get("/templates/aliases/sdk-snap:v2").status_code == 404
+    for token in ("", "wrong-token", "x" * 64):  # a running sandbox's health needs its token: else as if gone
+        r = httpx.get(f"{server.url}/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token})
+        assert r.status_code == 502, r.text
 
     assert Sandbox.delete_snapshot(plain.snapshot_id) is True
     assert Sandbox.delete_snapshot(plain.snapshot_id) is False  # gone: 404
