@@ -10,8 +10,14 @@ created from the template then restores that snapshot instead of booting.
 
 Steps are E2B's: RUN [cmd, user?], ENV [k, v, ...], WORKDIR [dir],
 USER [name], COPY [src, dest, user?, mode?] + filesHash. The base is
-`fromTemplate` (a template of this node) or `fromImage` (an image NAME:TAG
-in this node's store: nothing is pulled from a registry). ENV, WORKDIR and
+`fromTemplate` (a template of this node) or `fromImage`: an image NAME:TAG
+in this node's store, or a registry image HOST[:PORT]/REPO[:TAG] (its first
+component a host), pulled on the build's thread, within PULL_TIMEOUT, with
+`fromImageRegistry`'s username and password if given, and kept as the
+team's image NAME:TAG (layerstore/registry.py). A node fetches only from
+the registries its config names (`registries`): a caller must not make it
+fetch an address of their choosing, so any other is 400 before anything is
+asked of the network. ENV, WORKDIR and
 USER become the template's process defaults, so sandboxes from it start
 their processes the same way. Builds live in the node's memory (a restart
 forgets unfinished ones); their logs also go to the build sandbox's event
@@ -49,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.refs import parse_ref
+from layerstore.registry import Credentials, Reference, is_registry_ref, parse_reference, pull_image
 from layerstore.templates import check_template_name, new_template
 from vmm.agent import Agent, Exit, output_events
 from vmm.registry import new_sid
@@ -71,6 +78,7 @@ STEP_TIMEOUT = 3600.0
 MAX_LOGS = 10_000
 UPLOAD_TTL = 3600.0  # seconds an upload link stays valid
 UPLOAD_KEEP = 7 * 86400.0  # seconds an uploaded tar no build has used is kept
+PULL_TIMEOUT = 1800.0  # seconds a build's pull from a registry may take
 MAX_TAR_MEMBERS = 100_000
 FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 
@@ -96,6 +104,15 @@ class Build:
     def log(self, message: str, level: str = "info") -> None:
         if len(self.logs) < MAX_LOGS:
             self.logs.append(LogEntry(time.time(), level, message[:4000]))
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A build's base still in a registry: pulled on the build's thread."""
+
+    ref: Reference
+    name: str  # the team's image NAME:TAG it is kept as
+    credentials: Credentials | None
 
 
 class Starter(Protocol):
@@ -206,20 +223,49 @@ class Builds:
                          name=f"strata-build-{name}").start()
         return build
 
-    def _base(self, caller: "Caller", spec: dict[str, Any]) -> Source:
+    def _base(self, caller: "Caller", spec: dict[str, Any]) -> Source | Pull:
         if spec.get("fromTemplate"):
             return self._starter.source(str(spec["fromTemplate"]), caller)
         image = spec.get("fromImage")
         if not isinstance(image, str) or not image:
             raise InvalidInput("give fromTemplate or fromImage")
+        if is_registry_ref(image):
+            return self._pull_base(caller, image, spec.get("fromImageRegistry"))
         try:
             return self._starter.source(str(parse_ref(image)), caller)
         except NotFound:
-            raise InvalidInput(f"image {image} is not in this node's store (nothing is pulled from registries): "
-                               "import it with `strata image import`") from None
+            raise InvalidInput(f"image {image} is not in this node's store: import it with `strata image import`, "
+                               "or name a registry image, HOST[:PORT]/REPO:TAG") from None
+
+    def _pull_base(self, caller: "Caller", image: str, auth: Any) -> Pull:
+        """A registry image as a build's base, checked before the request
+        returns (nothing is fetched yet): a type of credentials this node
+        uses, a registry the node's config allows, a name the team may write."""
+        ref = parse_reference(image)
+        credentials = _credentials(auth)
+        allowed = self._catalog.config.registries
+        if ref.registry not in allowed:
+            raise InvalidInput(f"registry {ref.registry} is not one this node pulls from: its setting `registries` "
+                               f"(STRATA_REGISTRIES) allows {', '.join(allowed) or 'none'}")
+        name = ref.default_name()
+        self._catalog.check_import(caller, name, None)
+        return Pull(ref, name, credentials)
+
+    def _pull(self, build: Build, pull: Pull) -> Source:
+        """Pull the base into the store as the team's image, within PULL_TIMEOUT."""
+        build.log(f"pulling {pull.ref} as {pull.name}")
+        _, result = pull_image(self._store, pull.ref, None, build_root=self._catalog.config.state_dir / "build",
+                               credentials=pull.credentials, deadline=time.monotonic() + PULL_TIMEOUT,
+                               note=build.log)
+        caller = Caller(build.team)
+        self._catalog.check_import(caller, pull.name, str(result.size))  # again: taken since? within quota?
+        self._store.set_ref(pull.name, result.manifest_id, owner=build.team)
+        build.log(f"pulled {pull.ref} as {pull.name} (manifest {result.manifest_id[:16]}, {result.new_chunks} new "
+                  "chunks)")
+        return self._starter.source(pull.name, caller)
 
     # the build -------------------------------------------------------------------------
-    def _run(self, build: Build, base: Source, steps: list[dict[str, Any]], spec: dict[str, Any]) -> None:
+    def _run(self, build: Build, base: Source | Pull, steps: list[dict[str, Any]], spec: dict[str, Any]) -> None:
         """The build, on its own thread; its sandbox is gone before the status says it ended."""
         sid, status = new_sid(), "error"
         try:
@@ -235,8 +281,10 @@ class Builds:
                 pass
             build.status = status
 
-    def _build(self, build: Build, sid: str, base: Source, steps: list[dict[str, Any]],
+    def _build(self, build: Build, sid: str, base: Source | Pull, steps: list[dict[str, Any]],
                spec: dict[str, Any]) -> None:
+        if isinstance(base, Pull):
+            base = self._pull(build, base)
         started = time.monotonic()
         build.log(f"booting {base.template} as {sid}")
         record = self._starter.start_build_sandbox(base, sid=sid, build_id=build.build_id, team=build.team)
@@ -330,6 +378,21 @@ class Builds:
                     raise StrataError(f"the ready command did not succeed within {READY_TIMEOUT:.0f} s")
                 time.sleep(0.5)
         build.timings["start"] = time.monotonic() - mark
+
+
+def _credentials(auth: Any) -> Credentials | None:
+    """E2B's fromImageRegistry as Credentials (None: anonymous); its `aws`
+    and `gcp` types are 400, naming the one this node takes."""
+    if auth is None:
+        return None
+    kind = auth.get("type") if isinstance(auth, dict) else None
+    if kind != "registry":
+        raise InvalidInput(f"fromImageRegistry type {str(kind)[:40]!r} is not supported: this node pulls "
+                           "anonymously or with {type: registry, username, password}")
+    username, password = auth.get("username"), auth.get("password")
+    if not isinstance(username, str) or not username or not isinstance(password, str) or not password:
+        raise InvalidInput("fromImageRegistry of type registry needs a username and a password")
+    return Credentials(username, password)
 
 
 def _check_hash(files_hash: str) -> None:

@@ -17,7 +17,7 @@ MODE=${1:-install}
 APT_PACKAGES=(fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static e2fsprogs cpio xz-utils iproute2 nftables util-linux
               python3 python3-venv python3-dev gcc golang-go fuse2fs)
 BENCH_PACKAGES=(restic borgbackup casync rclone)
-TEST_PACKAGES=(shellcheck systemd nodejs mmdebstrap)   # lint deploy/install.sh, check the unit it renders; E2B's JS SDK test
+TEST_PACKAGES=(shellcheck systemd nodejs mmdebstrap docker-registry skopeo apache2-utils)   # lint deploy/install.sh, check the unit it renders; E2B's JS SDK test; a real registry to pull from
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -15,6 +16,7 @@ from .clikit import EXIT_PROBLEMS, Output, StoreContext, human_bytes, parse_size
 from .errors import InvalidInput, StrataError
 
 if TYPE_CHECKING:  # the store's modules load when a command opens one: `strata --help` stays quick
+    from .registry import Credentials
     from .store import Store
     from .transfer import TransferResult
 
@@ -54,6 +56,47 @@ def cmd_image_import(args: argparse.Namespace, ctx: StoreContext) -> int:
         ),
     )
     return 0
+
+
+def cmd_image_pull(args: argparse.Namespace, ctx: StoreContext) -> int:
+    """An image from an OCI registry: its layers the store has no disk of
+    are fetched (a progress bar), then unpacked and imported."""
+    from .registry import fetched_image, import_fetched, parse_reference, summary
+
+    out, ref = ctx.out, parse_reference(args.ref)
+    name = args.name or ref.default_name()
+    credentials = _registry_credentials(args, ctx)
+    build_root = ctx.config.state_dir / "build"
+    with _store(args, ctx) as store, contextlib.ExitStack() as layout:  # the fetched layout lives until imported
+        with out.progress(f"pull {ref}") as (advance, total):
+            fetched = layout.enter_context(fetched_image(
+                store, ref, build_root=build_root, credentials=credentials, insecure=args.insecure,
+                max_bytes=args.max_unpacked, progress=advance, on_total=total))
+        with out.status(f"unpacking the layers of {ref} into an ext4 disk and importing it"):
+            res = import_fetched(store, fetched, name, build_root=build_root, max_bytes=args.max_unpacked,
+                                 chunk_size=args.chunk_size, level=args.level, workers=args.workers)
+    out.result({**fetched.as_dict(), **res.as_dict()},
+               lambda: f"{summary(fetched)}\npulled {ref} as {res.ref} (manifest {res.manifest_id[:16]}): "
+                       f"{human_bytes(res.size)}, new {res.new_chunks} chunks, {human_bytes(res.new_stored_bytes)} "
+                       "stored")
+    return 0
+
+
+def _registry_credentials(args: argparse.Namespace, ctx: StoreContext) -> Credentials | None:
+    """--username (else config registry_username) and the password from
+    stdin (--password-stdin, first line) or STRATA_REGISTRY_PASSWORD; None: anonymous."""
+    from .registry import Credentials
+
+    username = args.username or ctx.config.registry_username
+    password = sys.stdin.readline().rstrip("\r\n") if args.password_stdin else ctx.config.registry_password
+    if args.password_stdin and not username:
+        raise InvalidInput("--password-stdin needs --username (or STRATA_REGISTRY_USERNAME)")
+    if not username:
+        return None
+    if not password:
+        raise InvalidInput(f"no password for registry user {username!r}: --password-stdin or "
+                           "STRATA_REGISTRY_PASSWORD")
+    return Credentials(username, password)
 
 
 def cmd_image_export(args: argparse.Namespace, ctx: StoreContext) -> int:
@@ -384,6 +427,24 @@ def _image_verbs(verbs: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-unpacked", type=parse_size, default=64 << 30,
                    help="OCI/docker images: refuse layers unpacking to more than this (default 64G)")
     p.set_defaults(func=cmd_image_import)
+    p = verbs.add_parser("pull", parents=[common], help="pull an image from an OCI registry as NAME:TAG (the layers "
+                                                       "the store has a disk of are not fetched again)")
+    p.add_argument("ref", metavar="REF", help="HOST[:PORT]/REPO[:TAG] or HOST[:PORT]/REPO@sha256:...")
+    p.add_argument("--as", dest="name", metavar="NAME:TAG", help="the store's name for it (default: the "
+                                                                  "repository's last component and the tag)")
+    p.add_argument("--username", help="registry user (env STRATA_REGISTRY_USERNAME)")
+    p.add_argument("--password-stdin", action="store_true", help="read the password from stdin's first line "
+                                                                 "(else env STRATA_REGISTRY_PASSWORD)")
+    p.add_argument("--insecure", action="store_true", help="plain http:// to a registry off loopback (loopback "
+                                                          "registries are always plain http)")
+    p.add_argument("--chunk-size", type=parse_size, default=DEFAULT_CHUNK_SIZE, help="power of two, 64K..16M "
+                                                                                      "(default 1M)")
+    p.add_argument("--level", type=int, default=None, choices=range(-5, 23), metavar="N",
+                   help=f"zstd level (default {DEFAULT_LEVEL})")
+    p.add_argument("--workers", type=int, default=None, help="hashing threads (default: cores)")
+    p.add_argument("--max-unpacked", type=parse_size, default=64 << 30,
+                   help="refuse layers larger, or unpacking to more, than this (default 64G)")
+    p.set_defaults(func=cmd_image_pull)
     p = verbs.add_parser("export", parents=[common], help="write NAME:TAG to a raw file (bit-exact, sparse)")
     p.add_argument("ref", metavar="NAME:TAG")
     p.add_argument("out", metavar="OUT")

@@ -206,6 +206,18 @@ def _hosts(text: str) -> dict[str, str]:
     return hosts
 
 
+_REGISTRY_RE = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?(?::[0-9]{1,5})?")
+
+
+def _registries(text: str) -> tuple[str, ...]:
+    """`HOST[:PORT],...` (lowercased) -> a tuple; anything else is refused."""
+    out = tuple(item.lower() for item in _list(text))
+    for item in out:
+        if not _REGISTRY_RE.fullmatch(item) or ":" in item and not 1 <= int(item.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError(f"{item!r} is not HOST[:PORT] (a registry, e.g. ghcr.io or 127.0.0.1:5000)")
+    return out
+
+
 def _path(text: str) -> Path:
     return Path(os.path.expanduser(str(text)))
 
@@ -277,6 +289,13 @@ class NodeConfig:
     paused_retention: float = _setting("7d", parse_duration, "how long a paused sandbox is kept before it is "
                                                              "reclaimed")
     max_upload: int = _setting("64G", parse_bytes, "largest image upload the API accepts")
+    registries: tuple[str, ...] = _setting("", _registries, "OCI registries (HOST[:PORT],...) the API may pull a "
+                                                            "build's fromImage from; empty: none (`strata image "
+                                                            "pull` is not limited)")
+    registry_username: str = _setting("", _text, "the user `strata image pull` logs in to registries as (its "
+                                                 "--username; the API uses a build's own credentials)")
+    registry_password: str = _setting("", _text, "its password (or --password-stdin); environment only",
+                                      secret=True)
     exec_output_limit: int = _setting("1M", parse_bytes, "output of one guest command kept (stdout + stderr); "
                                                           "the rest is dropped with a marker")
     console_log_limit: int = _setting("4M", parse_bytes, "size at which a sandbox's console log is rotated "

@@ -271,11 +271,17 @@ def full_chain_ids(image: Image) -> list[str]:
     """For each k, an id of layers 1..k (their digests in order), as OCI's
     ChainID, all 64 hex digits; empty past the first layer whose container
     names no digest."""
+    return chains_of([blob.digest for blob in image.layers])
+
+
+def chains_of(digests: list[str]) -> list[str]:
+    """`full_chain_ids` from the layers' digests alone (a registry's manifest
+    names them before any layer is fetched)."""
     out, h = [], hashlib.sha256()
-    for blob in image.layers:
-        if not blob.digest:
+    for digest in digests:
+        if not digest:
             break
-        h.update(blob.digest.encode() + b"\n")
+        h.update(digest.encode() + b"\n")
         out.append(h.copy().hexdigest())
     return out
 
@@ -323,6 +329,13 @@ def _trusted_prefix(store: Store, chains: list[str]) -> tuple[int, str]:
     return 0, ""
 
 
+def known_layers(store: Store, digests: list[str]) -> int:
+    """How many of the first layers (by digest, in order) an import would
+    take from a disk the store itself tagged rather than read: their blobs
+    need not be fetched (`import_oci`'s `absent`)."""
+    return _trusted_prefix(store, chains_of(digests))[0]
+
+
 def _reuse(store: Store, chains: list[str], disk: Path) -> int:
     """Export to `disk` the disk of the longest known prefix of the layers;
     how many layers it holds (0: none, nothing written). The export resolves
@@ -338,15 +351,20 @@ def _reuse(store: Store, chains: list[str], disk: Path) -> int:
     return known
 
 
-def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: int | None = None,
-               max_bytes: int = DEFAULT_MAX_BYTES, **import_options: Any) -> ImportResult:
+def import_oci(store: Store, path: Path, ref: str | None, *, build_root: Path, size: int | None = None,
+               max_bytes: int = DEFAULT_MAX_BYTES, absent: int = 0, source: str | None = None,
+               **import_options: Any) -> ImportResult:
     """Import an OCI layout/archive or `docker save` archive as the ext4
     disk image `ref`: layers applied into a private build directory under
     `build_root`, which is removed afterwards whatever happens; on the disk
     of the longest prefix of its layers the store itself tagged, if any
     (module docstring). The image config's Env, WorkingDir, User, Entrypoint
     and Cmd ride along as the layer's `oci.config` annotation, the whole
-    chain id as `oci.chain`. `import_options` go to `import_image`."""
+    chain id as `oci.chain`, `source` (default: the file's name) as
+    `source`. The blobs of the first `absent` layers may be missing (a
+    registry pull fetched only what the store lacks, `known_layers`): the
+    import then fails, naming why, unless it builds on a disk holding at
+    least those layers. `import_options` go to `import_image`."""
     image = open_image(path)
     build_root.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix="oci-", dir=build_root))
@@ -355,8 +373,8 @@ def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: in
     try:
         os.chmod(build, 0o700)  # device nodes and setuid files live here until mkfs
         disk = build / "rootfs.ext4"
-        _build_disk(store, image, chains, build, disk, Limits(max_bytes=max_bytes), size)
-        notes = {"source": path.name, "format": "oci", **image.runtime()}
+        _build_disk(store, image, chains, build, disk, Limits(max_bytes=max_bytes), size, absent=absent)
+        notes = {"source": source or path.name, "format": "oci", **image.runtime()}
         if whole:
             notes[CHAIN_NOTE] = chains[-1]
         result = import_image(store, disk, ref, annotations=notes, **import_options)
@@ -369,10 +387,13 @@ def import_oci(store: Store, path: Path, ref: str, *, build_root: Path, size: in
 
 
 def _build_disk(store: Store, image: Image, chains: list[str], build: Path, disk: Path, limits: Limits,
-                size: int | None) -> None:
+                size: int | None, *, absent: int = 0) -> None:
     """The ext4 disk of all the image's layers, on the longest trusted prefix's disk if any."""
     try:
         known = _reuse(store, chains, disk) if size is None else 0
+        if known < absent:
+            raise StrataError(f"the store's disk of the image's first {absent} layers (their blobs were not "
+                              "fetched) is gone or no longer the store's own: run the pull again")
         if known:
             more = _layers_bytes(image, known)
             if _free_bytes(disk) < more + more // 4 + (16 << 20):  # growing moves metadata: only when needed

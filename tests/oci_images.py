@@ -4,6 +4,7 @@ layers are tars (gzip by default) of entries described as tuples."""
 from __future__ import annotations
 
 import gzip
+import shutil
 import hashlib
 import io
 import json
@@ -125,3 +126,27 @@ def write_tar(path: Path, files: dict[str, bytes]) -> Path:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return path
+
+
+def write_oci_index(root: Path, images: list[tuple[str, list[bytes]]]) -> Path:
+    """An OCI layout whose one entry is an index of several images, one per
+    `(architecture, layers)` (os linux): what `skopeo copy --all` pushes as a
+    multi-platform image."""
+    entries = []
+    for n, (arch, layers) in enumerate(images):
+        part = write_oci(root / f".{n}", layers, config={**CONFIG, "architecture": arch})
+        entry = json.loads((part / "index.json").read_text())["manifests"][0]
+        entries.append({**entry, "platform": {"architecture": arch, "os": "linux"}})
+        blobs = root / "blobs" / "sha256"
+        blobs.mkdir(parents=True, exist_ok=True)
+        for blob in (part / "blobs" / "sha256").iterdir():
+            blob.replace(blobs / blob.name)
+        shutil.rmtree(part)
+    index = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                        "manifests": entries}).encode()
+    (root / "blobs" / "sha256" / _sha(index)).write_bytes(index)
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": "sha256:" + _sha(index),
+         "size": len(index)}]}))
+    return root
