@@ -311,8 +311,9 @@ class NodeConfig:
                                                                                "team holds at most: TEAM=N,*=N")
     team_max_snapshots: dict[str, int] = _setting("", _team_limits(_positive), "snapshots a team's objects keep "
                                                                                "at most: TEAM=N,*=N")
-    team_max_stored: dict[str, int] = _setting("", _team_limits(parse_bytes), "bytes a team's images and "
-                                                                              "snapshots store at most: "
+    team_max_stored: dict[str, int] = _setting("", _team_limits(parse_bytes), "bytes a team's images, "
+                                                                              "snapshots and volumes store at "
+                                                                              "most: "
                                                                               "TEAM=SIZE,*=SIZE")
     max_streams: int = _setting("1024", _positive, "long requests (execs, data-plane calls and streams, file "
                                                    "transfers, watchers) the node serves at once; more are 429 "

@@ -1,13 +1,15 @@
 """Reachability: everything a name needs, in publication order.
 
-A name is an image ref (`NAME:TAG`), a snapshot id (64 hex digits) or a
-template name. What it needs, its closure, is:
+A name is an image ref (`NAME:TAG`), a snapshot id (64 hex digits), a
+volume id (`vol` + 16 hex digits) or a template name. What it needs, its
+closure, is:
 
     snapshot -> its parent snapshots, and the layers of each
                 (disk, memory, state, kernel, initrd)
     layer    -> its parent layers, and the chunks and packs each needs
                 (a packed chunk: its pack and its base chunk)
     template -> the image or snapshot it names
+    volume   -> the layers of its files
 
 Push and pull copy a closure (chunks, then layers parents first, then
 snapshots parents first, then the name); GC marks the closure of every root
@@ -25,13 +27,14 @@ from .manifest import MAX_STACK_DEPTH
 from .refs import parse_ref
 from .store import Store
 from .templates import Template
+from .volumes import Volume, Volumes, is_volume_id
 
 _SNAPSHOT_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
 class Name:
-    kind: str  # image | snapshot | template | layer
+    kind: str  # image | snapshot | template | volume | layer
     value: str
 
     def __str__(self) -> str:
@@ -39,11 +42,14 @@ class Name:
 
 
 def parse_name(text: str) -> Name:
-    """`NAME:TAG` -> image, 64 hex -> snapshot, anything else -> template."""
+    """`NAME:TAG` -> image, 64 hex -> snapshot, a volume id -> volume,
+    anything else -> template."""
     if ":" in text:
         return Name("image", str(parse_ref(text)))
     if _SNAPSHOT_RE.fullmatch(text):
         return Name("snapshot", text)
+    if is_volume_id(text):
+        return Name("volume", text)
     from .templates import check_template_name
 
     return Name("template", check_template_name(text))
@@ -100,9 +106,9 @@ class Closure:
             current = snap.parent
         self.snapshots.extend(reversed(chain))
 
-    def add(self, store: Store, name: Name, *, strict: bool = True) -> Template | str | None:
+    def add(self, store: Store, name: Name, *, strict: bool = True) -> Template | Volume | str | None:
         """Add `name`'s closure; returns what publishing the name needs (the
-        template, or the manifest a ref points at), None for a snapshot."""
+        template or volume, or the manifest a ref points at), None for a snapshot."""
         if name.kind == "image":
             try:
                 manifest_id = store.resolve(name.value)
@@ -119,6 +125,11 @@ class Closure:
         if name.kind == "layer":  # a manifest a running sandbox's disk sits on (GC extra root)
             self.add_layer(store, name.value, strict=strict)
             return None
+        if name.kind == "volume":
+            volume = Volumes(store.backend).get(name.value)
+            for layer_id in volume.layers():
+                self.add_layer(store, layer_id, strict=strict)
+            return volume
         if name.kind == "template":
             template = store.get_template(name.value)
             target = Name("image" if template.kind == "image" else "snapshot", template.target)

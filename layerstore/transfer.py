@@ -47,6 +47,7 @@ from .pack import pack_key
 from .reach import Closure, Name, parse_name
 from .store import Store
 from .templates import Template
+from .volumes import Volume, Volumes
 
 Progress = Callable[[int], None]
 
@@ -76,7 +77,7 @@ def copy(
     progress: Progress | None = None,
     on_total: Progress | None = None,
 ) -> TransferResult:
-    """Copy `name` (NAME:TAG, snapshot id or template) and its closure from
+    """Copy `name` (NAME:TAG, snapshot id, volume id or template) and its closure from
     `src` to `dst`. `chunks=False, prefetch=True` copies only the chunks of
     the image's recorded prefetch list (`strata image record-prefetch`): the
     working set a sandbox reads first; the rest loads lazily."""
@@ -134,6 +135,8 @@ def copy(
             dst.put_prefetch(layer_id, indices)
         if isinstance(published, Template):
             dst.put_template(published)
+        elif isinstance(published, Volume):
+            Volumes(dst.backend).publish(published)
         elif isinstance(published, str):
             dst.set_ref(name.value, published)
     return TransferResult(str(name), len(closure.chunks), sent, sent_bytes, len(manifests), len(snapshots),

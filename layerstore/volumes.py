@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -98,9 +100,13 @@ def new_volume_id() -> str:
     return "vol" + secrets.token_hex(8)
 
 
+def is_volume_id(text: object) -> bool:
+    return isinstance(text, str) and _ID_RE.fullmatch(text) is not None
+
+
 def check_volume_id(text: str) -> str:
     """A volume id from a user; NotFound for text that cannot be one."""
-    if not isinstance(text, str) or not _ID_RE.fullmatch(text):
+    if not is_volume_id(text):
         raise NotFound(f"volume {text!r} not found")
     return text
 
@@ -148,6 +154,8 @@ class Volumes:
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
+        self._locks: dict[str, threading.Lock] = {}  # volume id -> this process's writers take turns
+        self._guard = threading.Lock()
 
     def create(self, name: str, owner: str) -> Volume:
         """A new empty volume; Conflict if `owner` already has one of that name."""
@@ -177,6 +185,11 @@ class Volumes:
                 continue
         return sorted(out, key=lambda v: (v.name, v.id))
 
+    def publish(self, volume: Volume) -> None:
+        """Write `volume` as it is (a copy from another store: push, pull),
+        replacing what this store had under its id."""
+        self._backend.put(VOLUME_PREFIX + check_volume_id(volume.id), volume.encode())
+
     def delete(self, volume_id: str) -> Volume:
         volume = self.get(volume_id)
         self._backend.delete(VOLUME_PREFIX + volume.id)
@@ -184,14 +197,21 @@ class Volumes:
 
     def change(self, volume_id: str, edit: Callable[[Volume], Volume]) -> Volume:
         """Apply `edit` to the current volume and publish the result if
-        nobody changed it meanwhile (else read again and retry)."""
-        for _ in range(CAS_TRIES):
-            volume, version = self._read(check_volume_id(volume_id))
-            changed = edit(volume)
-            if len(changed.entries) > MAX_ENTRIES:
-                raise InvalidInput(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
-            if self._backend.put_if(VOLUME_PREFIX + volume.id, changed.encode(), version) is not None:
-                return changed
+        nobody changed it meanwhile (else read again and retry, after a
+        growing random pause). Writers in this process take turns, so only
+        other processes' (other nodes') writes make it retry."""
+        check_volume_id(volume_id)
+        with self._guard:
+            lock = self._locks.setdefault(volume_id, threading.Lock())
+        with lock:
+            for attempt in range(CAS_TRIES):
+                volume, version = self._read(volume_id)
+                changed = edit(volume)
+                if len(changed.entries) > MAX_ENTRIES:
+                    raise InvalidInput(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
+                if self._backend.put_if(VOLUME_PREFIX + volume.id, changed.encode(), version) is not None:
+                    return changed
+                time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))
         raise Conflict(f"volume {volume_id} is changing too fast: try again")
 
     def _read(self, volume_id: str) -> tuple[Volume, str]:

@@ -103,10 +103,14 @@ def test_concurrent_writers_lose_no_update(store: Store, tmp_path: Path) -> None
     def write(i: int) -> None:
         vols.change(vid, lambda v: put_entry(v, f"d{i % 3}/f{i}", entry, parents=True, replace_file=False))
 
+    def write_elsewhere(i: int) -> None:  # each with its own Volumes, as on separate nodes
+        Volumes(store.backend).change(vid, lambda v: put_entry(v, f"n{i}", entry, parents=True, replace_file=False))
+
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(write, range(24)))
+        list(pool.map(write_elsewhere, range(8)))
     files = [p for p, e in vols.get(vid).entries.items() if e.type == FILE]
-    assert len(files) == 24
+    assert len(files) == 24 + 8
 
 
 def test_bytes_come_back_verified(store: Store, tmp_path: Path) -> None:
@@ -134,3 +138,24 @@ def test_gc_keeps_what_a_volume_names_and_refuses_past_a_garbled_one(store: Stor
     with pytest.raises(CorruptObject):
         gc.collect(store, grace=0, now=time.time() + 20)
     assert [v.id for v in vols.list()] == [vid]  # a listing leaves it out
+
+
+def test_a_volume_is_copied_with_its_files_and_kept_there(store: Store, tmp_path: Path) -> None:
+    from layerstore.transfer import copy
+    from tests.test_transfer import local_store
+
+    vols = Volumes(store.backend)
+    vid = vols.create("moving", "alpha").id
+    data = os.urandom(2 << 20)
+    entry = file_entry(store, tmp_path, data)
+    vols.change(vid, lambda v: put_entry(v, "a/f", entry, parents=True, replace_file=False))
+    other = local_store(tmp_path / "other")
+    result = copy(store, other, vid)
+    assert result.manifests_sent == 1 and result.chunks_sent >= 2
+    moved = Volumes(other.backend).get(vid)
+    assert moved == vols.get(vid) and b"".join(read_bytes(other, moved.entry("a/f"))) == data
+    for i in range(2):
+        gc.collect(other, grace=0, now=time.time() + 10 + i)
+    assert b"".join(read_bytes(other, Volumes(other.backend).get(vid).entry("a/f"))) == data
+    assert copy(store, other, vid).chunks_sent == 0  # again: nothing new to send
+    other.close()
