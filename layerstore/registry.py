@@ -20,7 +20,8 @@ its descriptor gives); a registry that lies is an error naming the layer,
 before anything is published. Every request has a timeout, a pull a
 deadline, redirects are followed a few times and only to https (http only
 when the registry itself is on loopback or `insecure` says so), and a
-registry off loopback cannot send the client to a loopback address.
+registry at a public address cannot send the client to an internal one
+(loopback, private, link-local such as cloud metadata).
 
 Auth: anonymous; HTTP basic; or the Bearer token flow (a 401 with
 `WWW-Authenticate: Bearer realm=...,service=...,scope=...`: the realm is
@@ -166,6 +167,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_internal(host: str) -> bool:
+    """An address no public registry sends a client to: loopback, private,
+    link-local (cloud metadata at 169.254.169.254), unspecified, multicast."""
+    if is_loopback(host):
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast or ip.is_reserved
+
+
 # the wire ---------------------------------------------------------------------------------
 class Session:
     """Requests to one registry: auth, redirects, timeouts, the deadline."""
@@ -242,8 +255,9 @@ class Session:
         if url.scheme not in ("https", "http") or (url.scheme == "http" and not self.plain_http):
             raise RegistryError(f"registry {self.ref.registry}: refused to follow it to {url.scheme}:// "
                                 f"({str(url)[:200]}): https only")
-        if is_loopback(url.host) and not is_loopback(self.ref.host):
-            raise RegistryError(f"registry {self.ref.registry}: refused to follow it to a loopback address")
+        if is_internal(url.host) and not is_internal(self.ref.host):
+            raise RegistryError(f"registry {self.ref.registry}: refused to follow it to an internal address "
+                                f"({url.host})")
         return url
 
     def _authenticate(self, challenge: str) -> None:

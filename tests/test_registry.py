@@ -111,6 +111,25 @@ def test_references_are_parsed_into_parts_and_anything_odd_is_refused() -> None:
     assert not is_registry_ref("app:1") and not is_registry_ref("team/app:1")
 
 
+def test_a_public_registry_cannot_send_the_client_inside() -> None:
+    """A redirect or token realm from a registry at a public address may go
+    to another public host (a CDN), never to an internal one; no request is
+    made to find out."""
+    from layerstore.registry import RegistryError, Session
+
+    session = Session(parse_reference("registry.example/team/app:1"))
+    base = session.url("blobs", "sha256:" + "ab" * 32)
+    try:
+        assert session._target(base, "https://cdn.example/blob?sig=1").host == "cdn.example"
+        for inside in ("https://169.254.169.254/latest/meta-data", "https://10.0.0.5/x", "https://127.0.0.1:8080/",
+                       "https://[::1]/x", "https://localhost/x", "https://0.0.0.0/x", "http://cdn.example/x",
+                       "file:///etc/passwd"):
+            with pytest.raises(RegistryError):
+                session._target(base, inside)
+    finally:
+        session.close()
+
+
 # pulls --------------------------------------------------------------------------------------
 def test_pull_by_tag_then_by_digest(open_registry: Registry, tmp_path: Path) -> None:
     pushed(open_registry, tmp_path, "team/app:1", [L1, L2])
