@@ -211,6 +211,15 @@ class Cluster:
 
         return sorted(self.members(), key=score, reverse=True)
 
+    def for_create(self, template: str, idempotency_key: str | None) -> list[Member]:
+        """Where a create tries: by load (`schedule`), or, under an
+        Idempotency-Key, by the key alone, so a retry reaches the node the
+        first try did (which answers with the sandbox it made) and not the
+        emptiest one (which would make a second)."""
+        if idempotency_key:
+            return self.by_key(f"create {idempotency_key}")
+        return self.schedule(template)
+
     def placed_on(self, member: Member) -> None:
         with self._lock:
             self._sent[member.node] = self._sent.get(member.node, 0) + 1
@@ -360,7 +369,8 @@ class Gateway:
             template = str(json.loads(body or b"{}").get("templateID", ""))
         except (ValueError, AttributeError):
             template = ""  # the node answers the bad request
-        members = await anyio.to_thread.run_sync(self.cluster.schedule, template)
+        key = dict(scope.get("headers") or []).get(b"idempotency-key", b"").decode("latin-1")
+        members = await anyio.to_thread.run_sync(self.cluster.for_create, template, key or None)
         last: tuple[int, str] = (503, "no live node in this cluster (none has published a record with its URL)")
         for member in members:
             what = f"node {member.node}"

@@ -105,6 +105,11 @@ def test_the_cluster_view_reads_records_and_placements_from_the_store(tmp_path: 
         cluster.placed_on(b)
     assert cluster.schedule("other")[-1].node == "b"
     assert [m.node for m in cluster.by_key("tpl")] == [m.node for m in cluster.by_key("tpl")]
+    keyed = [m.node for m in cluster.for_create("other", "retry-1")]
+    for _ in range(5):  # the first try filled that node...
+        cluster.placed_on(cluster.member(keyed[0]))
+    assert [m.node for m in cluster.for_create("other", "retry-1")] == keyed  # ...a retry goes there all the same
+    assert cluster.for_create("other", None)[0].node != keyed[0]  # a create without a key goes by load
 
     placement.place(backend, "sb1", "b")
     assert cluster.locate("sb1") == b
