@@ -18,7 +18,7 @@ from vmm.sandbox import Sandboxes
 
 from .connect import ConnectError
 from .envd import Target
-from .exceptions import Forbidden
+from .exceptions import Forbidden, Unauthorized
 from .teams import caller_of, same_secret
 
 
@@ -56,14 +56,17 @@ class Access:
         return Target(sid, agent_of, env=dict(record.env), user=user or record.user, cwd=record.cwd,
                       log=lambda level, message: boxes.log_event(sid, level, message))
 
-    def port_address(self, sid: str, token: str | None) -> str:
+    def port_address(self, sid: str, token: str | None, *, access_token: str | None = None) -> str:
         """Where the port proxy (api/ports.py) reaches sandbox `sid`: its
         address on the node. Forbidden without the sandbox's traffic token
-        when its ports are not public."""
+        when its ports are not public; Unauthorized when an `access_token`
+        is given (E2B's SDK sends its envd token) and is not the sandbox's."""
         try:
             record = self._boxes.record(sid)
         except NotFound:
             raise NotFound(f"sandbox {sid} not found") from None
+        if access_token is not None and not same_secret(access_token, record.access_token):
+            raise Unauthorized(f"wrong access token for sandbox {sid} (header X-Access-Token)")
         if record.traffic_token and not same_secret(token, record.traffic_token):
             raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
         if record.state == "suspended":

@@ -5,6 +5,8 @@ the command line, on this node, with its log shown as it runs.
         [--copy SRC:DEST] [--run CMD] ... [--start CMD --ready CMD]
 
 Steps run in the order given. BASE is a template or an image NAME:TAG.
+`strata template code-interpreter` (api/code_interpreter.py) builds E2B's
+code-interpreter template with the same machinery.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 from layerstore.errors import InvalidInput, StrataError
 
-from .builds import Builds
+from . import code_interpreter
+from .builds import Build, Builds
 from .compose import NodeContext
 from .teams import ADMIN
 
@@ -45,15 +48,25 @@ def register(verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
     p.add_argument("--start", metavar="CMD", help="left running in the template's snapshot")
     p.add_argument("--ready", metavar="CMD", help="polled until it succeeds before the snapshot")
     p.set_defaults(func=cmd_template_build, steps=[])
+    code_interpreter.register(verbs, common)
 
 
 def cmd_template_build(args: argparse.Namespace, ctx: NodeContext) -> int:
     node = ctx.node()
-    build = node.builds.request(ADMIN, args.name)
     steps = [_step(node.builds, kind, value) for kind, value in args.steps]
     base = {"fromImage": args.base} if ":" in args.base else {"fromTemplate": args.base}
-    node.builds.start(ADMIN, build.name, build.build_id,
+    build = run_build(ctx, node.builds, args.name,
                       {**base, "steps": steps, "startCmd": args.start, "readyCmd": args.ready})
+    ctx.out.result({"template": build.name, "build": build.build_id, "timings": build.timings},
+                   f"template {build.name} built ({', '.join(f'{k} {v:.1f} s' for k, v in build.timings.items())})")
+    return 0
+
+
+def run_build(ctx: NodeContext, builds: Builds, name: str, spec: dict[str, Any]) -> Build:
+    """Build template `name` from `spec` (E2B's build body) as the node's
+    operator, its log shown as it runs; StrataError naming why if it failed."""
+    build = builds.request(ADMIN, name)
+    builds.start(ADMIN, build.name, build.build_id, spec)
     shown = 0
     while build.status in ("waiting", "building"):
         shown = _show(ctx, build, shown)
@@ -61,9 +74,7 @@ def cmd_template_build(args: argparse.Namespace, ctx: NodeContext) -> int:
     _show(ctx, build, shown)
     if build.status != "ready":
         raise StrataError(f"template {build.name}: {build.reason}")
-    ctx.out.result({"template": build.name, "build": build.build_id, "timings": build.timings},
-                   f"template {build.name} built ({', '.join(f'{k} {v:.1f} s' for k, v in build.timings.items())})")
-    return 0
+    return build
 
 
 def _show(ctx: NodeContext, build: Any, shown: int) -> int:

@@ -9,38 +9,89 @@ answers only requests carrying its `e2b-traffic-access-token`.
 
     client --Host: 8000-sb1.example.com--> node :8080 --> 10.201.0.2:8000 --> guest :8000
 
+E2B's SDKs name the port in headers instead when `E2B_SANDBOX_URL` points
+them at one address (the code interpreter's `POST {url}/execute`):
+`E2b-Sandbox-Port: PORT` with `E2b-Sandbox-Id: SID` goes to the same place,
+under the same rules, as Host `PORT-SID.*` (port 49983 is envd's: the API).
+A malformed port header, or one without a sandbox id, is 400. That form is
+the SDK's own, so `X-Access-Token` there is the sandbox's envd token: a
+wrong one is 401 (a missing one is fine: the SDK sends it on some calls
+only, and the port is as public as its Host form), and neither it nor
+`X-API-Key` nor the E2B headers are passed on to the guest.
+
 No API key is needed (these are the sandbox's public URLs). Bodies stream
 both ways; hop-by-hop headers are dropped; the Host header is passed on.
-Errors are JSON `{"code", "message"}` like the API's: 404 unknown sandbox,
-403 missing or wrong traffic token, 409 paused or without a network, 502
-nothing listening, 504 no answer in time.
+Errors are JSON `{"code", "message"}` like the API's: 400 malformed port
+header, 401 wrong access token, 404 unknown sandbox, 403 missing or wrong
+traffic token, 409 paused or without a network, 502 nothing listening, 504
+no answer in time.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from layerstore.errors import StrataError
+from layerstore.errors import NotFound, StrataError
 
 from . import errors
 from .proxy import Scope, forward_http, forward_websocket, new_client, refuse, upstream
 
+if TYPE_CHECKING:
+    from .access import Access
+
 PORT_HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9-]{1,64})\.")
+SANDBOX_ID = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+PORT = re.compile(r"^\d{1,5}$")
 ENVD_PORT = 49983
 TOKEN_HEADER = "e2b-traffic-access-token"
+PORT_HEADER, ID_HEADER, ACCESS_HEADER = b"e2b-sandbox-port", b"e2b-sandbox-id", b"x-access-token"
 _DROP = (TOKEN_HEADER.encode(),)  # the guest's server never sees the sandbox's token
+_DROP_SDK = (*_DROP, PORT_HEADER, ID_HEADER, ACCESS_HEADER, b"x-api-key")  # nor, from the SDK, the node's
 
 
-def port_target(scope: Scope) -> tuple[int, str] | None:
-    """(port, sandbox id) if the request's Host names a sandbox port other than envd's."""
-    host = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), "")
-    match = PORT_HOST.match(host)
-    if match is None or int(match.group(1)) in (0, ENVD_PORT) or int(match.group(1)) > 65535:
+@dataclass(frozen=True)
+class Target:
+    """A request for a sandbox's port, and the credentials it came with."""
+
+    port: int
+    sid: str
+    traffic_token: str | None
+    access_token: str | None = None  # the header form's X-Access-Token (None: not given, or the Host form)
+    by_header: bool = False
+
+
+class BadTarget(Exception):
+    """A port header that names no port (400)."""
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
+
+
+def port_target(scope: Scope) -> Target | None:
+    """The sandbox port a request is for, by its Host or else E2B's headers
+    (None: the API's, envd's port included). BadTarget if the headers name
+    one badly."""
+    token = _header(scope, TOKEN_HEADER.encode())
+    match = PORT_HOST.match(_header(scope, b"host") or "")
+    if match is not None:
+        port = int(match.group(1))
+        return Target(port, match.group(2), token) if 0 < port <= 65535 and port != ENVD_PORT else None
+    given = _header(scope, PORT_HEADER)
+    if given is None:
         return None
-    return int(match.group(1)), match.group(2)
+    if not PORT.match(given) or not 0 < int(given) <= 65535:
+        raise BadTarget(f"E2b-Sandbox-Port must be a port number (1-65535), not {given[:40]!r}")
+    sid = _header(scope, ID_HEADER)
+    if not sid:
+        raise BadTarget("E2b-Sandbox-Port needs the sandbox's id in E2b-Sandbox-Id")
+    if int(given) == ENVD_PORT:
+        return None
+    return Target(int(given), sid, token, _header(scope, ACCESS_HEADER), by_header=True)
 
 
 class PortProxy:
@@ -51,24 +102,34 @@ class PortProxy:
         self._client: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        target = port_target(scope) if scope["type"] in ("http", "websocket") else None
+        try:
+            target = port_target(scope) if scope["type"] in ("http", "websocket") else None
+        except BadTarget as exc:
+            await refuse(scope, send, 400, str(exc))
+            return
         if target is None:
             await self.app(scope, receive, send)
             return
-        port, sid = target
-        node = scope["app"].state.node
-        token = next((v.decode("latin-1") for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), None)
         try:
-            address = node.access.port_address(sid, token)
+            address = _address(scope["app"].state.node.access, target)
         except StrataError as exc:
             await refuse(scope, send, errors.status_of(exc), str(exc))
             return
-        what = f"port {port} of sandbox {sid}"
+        port, what = target.port, f"port {target.port} of sandbox {target.sid}"
+        drop = _DROP_SDK if target.by_header else _DROP
         if scope["type"] == "websocket":
             url = upstream(httpx.URL(scheme="ws", host=address, port=port), scope)
-            await forward_websocket(scope, receive, send, str(url), drop=_DROP, what=what)
+            await forward_websocket(scope, receive, send, str(url), drop=drop, what=what)
             return
         if self._client is None:
-            self._client = new_client()
+            self._client = new_client(keepalive=False)  # addresses pass from sandbox to sandbox
         url = upstream(httpx.URL(scheme="http", host=address, port=port), scope)
-        await forward_http(self._client, scope, receive, send, str(url), drop=_DROP, what=what)
+        await forward_http(self._client, scope, receive, send, str(url), drop=drop, what=what)
+
+
+def _address(access: Access, target: Target) -> str:
+    """Where `target` is (api/access.py checks its tokens). An id that cannot
+    exist is unknown, as it is in a Host."""
+    if not SANDBOX_ID.match(target.sid):
+        raise NotFound(f"sandbox {target.sid[:64]!r} not found")
+    return access.port_address(target.sid, target.traffic_token, access_token=target.access_token)

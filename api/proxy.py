@@ -52,8 +52,13 @@ class Unreachable(Exception):
         self.status = status
 
 
-def new_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=TIMEOUT, follow_redirects=False, trust_env=False)
+def new_client(*, keepalive: bool = True) -> httpx.AsyncClient:
+    """A client for passing requests on. Without `keepalive` every request
+    gets a connection of its own: a sandbox's address is reused by the next
+    sandbox once it is killed, and a pooled connection to the old one would
+    carry a request to the new one's address, or die in the attempt."""
+    limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncClient(timeout=TIMEOUT, follow_redirects=False, trust_env=False, limits=limits)
 
 
 def target_error(scope: Scope) -> tuple[int, str] | None:

@@ -7,11 +7,18 @@ agent), next to the same work through Strata's own paths, in one run:
     cli-exec       `strata sandbox exec SID true` (a new process each time, attaching to the VM)
     agent-no-vm    the guest agent binary on a pseudo-terminal on the host, driven by
                    vmm/agent.py: the protocol's floor, with no VM, virtio or HTTP
+    code-interp    e2b_code_interpreter: run_code("1+1") in code-interpreter-v1 (the node's
+                   port proxy, the sandbox's network, the guest's Jupyter kernel); and the
+                   same POST /execute sent straight to the node, without the SDK
 
 So "VMM time apart": agent-no-vm is what the agent and its protocol cost;
 sdk minus agent-no-vm is the VM (TCG here, so slow) plus HTTP and Connect.
 
-    .venv/bin/python bench/envd.py [--runs 50] [--big 100] [--json FILE]
+    .venv/bin/python bench/envd.py [--runs 50] [--big 100] [--what all|envd|code-interpreter] [--json FILE]
+
+The code interpreter needs sandbox networks, so its node runs in a network
+namespace of its own (tests/netns.py: root, ip, nft) and builds the template
+with `strata template code-interpreter` (mmdebstrap once, then cached).
 
 Real QEMU (TCG here) on the guest from vmm/guest/build.sh, through a real
 FUSE mount, with the NodeServer the API tests use; everything on loopback.
@@ -89,6 +96,49 @@ def bench_node(guest: Path, work: Path, runs: int, big: int) -> dict[str, Any]:
     return rows
 
 
+def bench_code_interpreter(guest: Path, work: Path, runs: int) -> dict[str, Any]:
+    import httpx
+
+    from tests.netns import Forward, Lab, start_sdk_runtime
+    from tests.node_server import API_KEY, NodeServer
+
+    lab = Lab(f"b{os.getpid() % 10000}")
+    rows: dict[str, Any] = {}
+    srv = forward = None
+    try:
+        lab.add_node("node")
+        start_sdk_runtime()  # the SDK's HTTP threads outside the lab; it goes in through `forward`
+        forward = Forward(lab, "hub")
+        with lab.inside("hub"):
+            srv = NodeServer(work, guest, host=lab.addrs["node"],
+                             prefix=("nsenter", f"--net=/run/netns/{lab.nodes['node']}", "--"),
+                             STRATA_NETWORK_ENABLED="true", STRATA_NETWORK_POOL="10.201.0.0/28",
+                             STRATA_SANDBOX_MEMORY="512")
+            srv.start()
+            srv.strata("template", "code-interpreter")
+            forward.target = (lab.addrs["node"], srv.port)
+            url = f"http://127.0.0.1:{forward.port}"
+            os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=API_KEY)
+            from e2b_code_interpreter import Sandbox
+
+            sbx = Sandbox.create(timeout=3600)
+            assert sbx.run_code("1+1").text == "2"
+            rows["code-interp sdk run_code(1+1)"] = timed(lambda: sbx.run_code("1+1"), runs)
+            headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+            with httpx.Client(timeout=60) as client:
+                rows["code-interp POST /execute direct"] = timed(lambda: client.post(
+                    f"{srv.url}/execute", json={"code": "1+1"}, headers=headers).raise_for_status(), runs)
+            sbx.kill()
+    finally:
+        if forward is not None:
+            forward.close()
+        if srv is not None:
+            with lab.inside("hub"):
+                srv.cleanup()
+        lab.destroy()
+    return rows
+
+
 def bench_agent(guest: Path, work: Path, runs: int, big: int) -> dict[str, Any]:
     from tests.test_vmm_agent import agent_on_pty
 
@@ -107,13 +157,17 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=50, help="round trips per latency row")
     parser.add_argument("--big", type=int, default=100, help="MiB of the large file")
     parser.add_argument("--guest", type=Path, default=Path(os.environ.get("STRATA_GUEST_DIR", "/var/tmp/strata-guest")))
+    parser.add_argument("--what", choices=("all", "envd", "code-interpreter"), default="all")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     subprocess.run(["bash", str(ROOT / "vmm/guest/build.sh"), str(args.guest)], check=True,
                    stdout=subprocess.DEVNULL)
     with tempfile.TemporaryDirectory(prefix="strata-bench-envd-", dir="/var/tmp") as tmp:
-        rows = {**bench_agent(args.guest, Path(tmp), args.runs, args.big),
-                **bench_node(args.guest, Path(tmp) / "node", args.runs, args.big)}
+        rows = {**bench_agent(args.guest, Path(tmp), args.runs, args.big)}
+        if args.what in ("all", "envd"):
+            rows.update(bench_node(args.guest, Path(tmp) / "node", args.runs, args.big))
+        if args.what in ("all", "code-interpreter"):
+            rows.update(bench_code_interpreter(args.guest, Path(tmp) / "code-interpreter", args.runs))
     floor = rows["agent-no-vm run(true)"]["p50_ms"]
     print(f"{'what':34} {'p50 ms':>9} {'p99 ms':>9} {'MB/s':>8}  x agent-no-vm p50")
     for name, r in rows.items():
