@@ -145,17 +145,19 @@ class Catalog:
                           target=t.target)
 
     def templates(self, caller: Caller) -> list[m.Template]:
-        return [self._template(t) for t in self.store.list_templates() if caller.sees(t.owner)]
+        return [self._template(t) for t in self.store.list_templates() if caller.sees(t.owner) or t.public]
 
     def template_alias(self, caller: Caller, alias: str) -> m.TemplateAlias:
-        """E2B's Template.exists: the caller's template of that name (another
-        team's is unknown here, as everywhere; E2B answers 403)."""
+        """E2B's Template.exists: the caller's template of that name, or a
+        public one (another team's is unknown here, as everywhere; E2B
+        answers 403)."""
         try:
             template = self.store.get_template(check_template_name(alias))
         except InvalidInput:
             raise NotFound(f"template {alias!r} not found") from None
-        caller.check_sees(template.owner, f"template {alias} not found")
-        return m.TemplateAlias(templateID=template.name, public=False)
+        if not template.public:
+            caller.check_sees(template.owner, f"template {alias} not found")
+        return m.TemplateAlias(templateID=template.name, public=template.public)
 
     def create_template(self, caller: Caller, name: str, *, image: str | None, snapshot: str | None) -> m.Template:
         """Name one of the caller's images (NAME:TAG) or snapshots; exactly one

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,8 @@ def cmd_code_interpreter(args: argparse.Namespace, ctx: NodeContext) -> int:
     ctx.out.note(f"image {IMAGE} imported (manifest {imported[:16]})")
     build = run_build(ctx, ctx.node().builds, args.name,
                       {"fromImage": IMAGE, "steps": [], "startCmd": START, "readyCmd": READY})
+    store = ctx.sandboxes().store
+    store.put_template(replace(store.get_template(build.name), public=True))  # every team's default template
     ctx.out.result({"template": build.name, "build": build.build_id, "image": IMAGE, "timings": build.timings},
                    f"template {build.name} built from {IMAGE}: Sandbox.create() of e2b_code_interpreter starts "
                    f"it serving on port 49999 ({', '.join(f'{k} {v:.1f} s' for k, v in build.timings.items())})")

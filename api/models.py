@@ -336,7 +336,7 @@ class SnapshotInfo(Reply):
 
 class TemplateAlias(Reply):
     templateID: str
-    public: bool = Field(description="always false: a template is its team's")
+    public: bool = Field(description="every team may start it (else it is its team's alone)")
 
 
 class Template(Reply):

@@ -39,7 +39,8 @@ def resolve(store: Store, template_id: str, caller: Caller) -> Source:
         if ":" not in template_id:
             raise NotFound(f"template {template_id!r} not found in {store.describe()}") from None
     else:
-        caller.check_sees(template.owner, f"template {template_id} not found in {store.describe()}")
+        if not template.public:  # a public template is every team's to start
+            caller.check_sees(template.owner, f"template {template_id} not found in {store.describe()}")
         return Source(template_id, template.kind, template.target, template.process)
     ref = str(parse_ref(template_id))
     caller.check_sees(store.ref_owner(ref), f"image {ref} not found in {store.describe()}")

@@ -358,7 +358,7 @@ def cmd_snapshot_rm(args: argparse.Namespace, ctx: StoreContext) -> int:
 
 
 def _template_row(t: Any) -> dict[str, object]:
-    return {"name": t.name, "kind": t.kind, "target": t.target, "created": t.created}
+    return {"name": t.name, "kind": t.kind, "target": t.target, "created": t.created, "public": t.public}
 
 
 def cmd_template_ls(args: argparse.Namespace, ctx: StoreContext) -> int:
@@ -373,7 +373,7 @@ def cmd_template_create(args: argparse.Namespace, ctx: StoreContext) -> int:
     from .templates import new_template
 
     kind, target = ("image", args.image) if args.image else ("snapshot", args.snapshot)
-    template = new_template(args.name, kind, target)
+    template = new_template(args.name, kind, target, public=args.public)
     with _store(args, ctx) as store:
         store.put_template(template)
     ctx.out.result(_template_row(template), f"template {template.name} -> {kind} {template.target}")
@@ -486,6 +486,8 @@ def _template_verbs(nouns: Any, common: argparse.ArgumentParser) -> Any:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--image", metavar="NAME:TAG", help="sandboxes boot this image")
     target.add_argument("--snapshot", metavar="SNAPSHOT_ID", help="sandboxes restore this snapshot")
+    p.add_argument("--public", action="store_true", help="every team of the API may start it (only its owner, "
+                                                          "team default here, may replace or remove it)")
     p.set_defaults(func=cmd_template_create)
     p = verbs.add_parser("rm", parents=[common], help="remove a template (what it names stays)")
     p.add_argument("name", metavar="NAME")

@@ -6,7 +6,9 @@ snapshot (a sandbox restores it, already running). It is a small JSON object:
     templates/<NAME>            {"kind": "image" | "snapshot", "target": "<ref or id>",
     template-tags/<NAME>/<TAG>   "created": <unix seconds>, "owner": "<team>" (optional),
                                  "process": {"env": {..}, "cwd": "..", "user": ".."} (optional:
-                                 what every process of a sandbox made from it starts with)}
+                                 what every process of a sandbox made from it starts with),
+                                 "public": true (optional: every team may start it; only
+                                 its owner may replace or remove it)}
 
 A name may carry a tag, as E2B's do (`my-snap:v2`); no tag means the tag
 `default`, so `NAME` and `NAME:default` are one template, kept where
@@ -40,6 +42,7 @@ class Template:
     created: float
     owner: str = ""  # an opaque label (the API's team); "" = nobody in particular
     process: dict = field(default_factory=dict)  # {"env": {}, "cwd": "", "user": ""}: a build's ENV/WORKDIR/USER
+    public: bool = False  # every team may start sandboxes from it (the node's code-interpreter-v1)
 
     @property
     def key(self) -> str:
@@ -51,6 +54,8 @@ class Template:
             body["owner"] = self.owner
         if self.process:
             body["process"] = self.process
+        if self.public:
+            body["public"] = True
         return json.dumps(body, sort_keys=True).encode()
 
 
@@ -79,7 +84,8 @@ def name_of_key(key: str) -> str:
     return check_template_name(f"{base}:{tag}")
 
 
-def new_template(name: str, kind: str, target: str, *, owner: str = "", process: dict | None = None) -> Template:
+def new_template(name: str, kind: str, target: str, *, owner: str = "", process: dict | None = None,
+                 public: bool = False) -> Template:
     """A validated template (the target's existence is the store's check)."""
     name = check_template_name(name)
     if kind == "image":
@@ -88,7 +94,7 @@ def new_template(name: str, kind: str, target: str, *, owner: str = "", process:
         check_digest(target, what="snapshot id")
     else:
         raise InvalidInput(f"template kind {kind!r} is not one of {', '.join(KINDS)}")
-    return Template(name, kind, target, time.time(), owner, _process(process or {}))
+    return Template(name, kind, target, time.time(), owner, _process(process or {}), public)
 
 
 def _process(p: object) -> dict:
@@ -104,10 +110,10 @@ def parse_template(name: str, blob: bytes) -> Template:
     try:
         data = json.loads(blob)
         template = new_template(name, data["kind"], data["target"])
-        owner = data.get("owner", "")
-        if not isinstance(owner, str):
-            raise TypeError("owner is not a string")
+        owner, public = data.get("owner", ""), data.get("public", False)
+        if not isinstance(owner, str) or not isinstance(public, bool):
+            raise TypeError("owner is not a string or public not a boolean")
         return Template(template.name, template.kind, template.target, float(data["created"]), owner,
-                        _process(data.get("process", {})))
+                        _process(data.get("process", {})), public)
     except (ValueError, KeyError, TypeError, InvalidInput) as exc:
         raise CorruptObject(f"template {name} is malformed: {exc}") from None

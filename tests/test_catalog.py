@@ -206,6 +206,28 @@ def test_deleting_a_snapshot_as_a_template_takes_its_names(world: World) -> None
         world.cat.create_template(ALPHA, "ab" * 32, image="base:v1", snapshot=None)
 
 
+def test_a_public_template_is_every_teams_to_start_and_its_owners_to_change(world: World) -> None:
+    """A public template (the node's code-interpreter-v1) is listed for,
+    found by and started from by every team; only its owner replaces or
+    removes it."""
+    from dataclasses import replace
+
+    from api.sources import resolve
+
+    world.cat.create_template(ALPHA, "shared", image=None, snapshot=world.snap)
+    with pytest.raises(NotFound):
+        resolve(world.store, "shared", BETA)  # not public yet: another team's
+    world.store.put_template(replace(world.store.get_template("shared"), public=True))
+    assert "shared" in [t.templateID for t in world.cat.templates(BETA)]
+    assert world.cat.template_alias(BETA, "shared").public is True
+    assert resolve(world.store, "shared", BETA).target == world.snap
+    with pytest.raises(Conflict):
+        world.cat.create_template(BETA, "shared", image=None, snapshot=world.snap)
+    with pytest.raises(NotFound):
+        world.cat.delete_template(BETA, "shared")
+    assert world.store.get_template("shared").owner == "alpha" and world.store.get_template("shared").public
+
+
 def test_chunks_for_peers_come_from_this_store(world: World) -> None:
     """A stored chunk is returned as its object; an unknown digest is 404."""
     digest = next(d for d in world.store.get_layer(world.manifest).chunks.values() if d is not None)

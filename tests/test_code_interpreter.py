@@ -85,9 +85,17 @@ def sdk(node: Node, monkeypatch: pytest.MonkeyPatch) -> type:
     return Sandbox
 
 
-def test_the_template_is_built(node: Node) -> None:
+def test_the_template_is_built(node: Node, sdk: type, monkeypatch: pytest.MonkeyPatch) -> None:
     assert node.built["template"] == "code-interpreter-v1" and node.built["image"] == "strata-code-interpreter:v1"
     assert {"boot", "start", "snapshot"} <= set(node.built["timings"])
+    monkeypatch.setenv("E2B_API_KEY", BETA_KEY)  # another team than the one that built it: it is public
+    sbx = sdk.create(timeout=120)
+    try:
+        assert sbx.run_code("6 * 7").text == "42"
+    finally:
+        sbx.kill()
+    beta = httpx.Client(base_url=node.server.url, headers={"X-API-Key": BETA_KEY}, timeout=60)
+    assert beta.delete("/templates/code-interpreter-v1").status_code == 404  # but only its owner's to remove
 
 
 def test_run_code_keeps_state_streams_output_and_reports_errors(sdk: type) -> None:
