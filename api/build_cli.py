@@ -16,14 +16,16 @@ import hashlib
 import tarfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerstore.errors import InvalidInput, StrataError
 
 from . import code_interpreter
-from .builds import Build, Builds
 from .compose import NodeContext
 from .teams import ADMIN
+
+if TYPE_CHECKING:  # the builds (and the registry client under them) load only when a build runs
+    from .builds import Build, Builds
 
 
 class _Step(argparse.Action):
