@@ -208,7 +208,8 @@ def test_template_and_snapshot_nouns(tmp_path: Path) -> None:
     assert run(["image", "import", str(tmp_path / "a.img"), "a:1"], env).returncode == 0
     r = run(["template", "create", "base", "--image", "a:1", "--json"], env)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) | {"created": 0} == {"name": "base", "kind": "image", "target": "a:1", "created": 0}
+    assert json.loads(r.stdout) | {"created": 0} == {"name": "base", "kind": "image", "target": "a:1", "created": 0,
+                                                   "public": False}
     assert [t["name"] for t in json.loads(run(["template", "ls", "--json"], env).stdout)] == ["base"]
     _one_line_error(run(["template", "create", "bad", "--image", "missing:1"], env), 1, "missing:1")
     _one_line_error(run(["template", "create", "bad", "--snapshot", "ab" * 32], env), 1, "not found")

@@ -2,7 +2,7 @@
 have to police by hand: no function in the packages over 120 lines, no
 HTTP route function over 40 (a route parses, authorizes and calls one node
 action; anything longer is logic that belongs in the node), no class over
-450 lines (the one still over is listed, and the list kept current), no
+450 lines (any over it listed here until split, the list kept current), no
 module over 900, and no import cycle among the modules at load time."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_the_rule_can_fail(tmp_path: Path) -> None:
 # classes, modules and imports (the architecture issue's bounds) ---------------------------------------------
 MAX_CLASS, MAX_MODULE = 450, 900
 # Over the class bound, to be split; the entry must go when it is (test_known_oversized_are_current).
-KNOWN_OVERSIZED = {"vmm/sandbox.py:Sandboxes": "VM lifecycle, recovery, boot files and networks in one class"}
+KNOWN_OVERSIZED: dict[str, str] = {}
 
 
 def _modules() -> list[Path]:

@@ -11,6 +11,7 @@ from layerstore.errors import BackendUnavailable
 from layerstore.importer import import_image
 from layerstore.store import open_store
 from tests.test_vmm_lock import FakeVm, fake_node
+from vmm.bootfiles import BootFiles
 from vmm.registry import LOCKS
 
 
@@ -82,13 +83,14 @@ def test_a_restore_boots_from_the_nodes_own_kernel_only_when_it_is_the_snapshots
     when that file is the snapshot's kernel layer, byte for byte; a rebuilt
     file or another layer goes through the mount, as before."""
     boxes, _backend = fake_node(tmp_path)
-    boxes.store = open_store(str(tmp_path / "store"))
+    store = open_store(str(tmp_path / "store"))
+    boxes.boot_files = BootFiles(store, tmp_path, boxes.paths, scratch=tmp_path)  # vmm/bootfiles.py over a real store
     kernel = tmp_path / "vmlinuz"
     kernel.write_bytes(b"kernel one" * 1000)
-    layer = boxes._boot_layer("vmlinuz")  # as a snapshot records it
-    assert boxes._boot_file("vmlinuz", layer) == kernel
-    other = import_image(boxes.store, kernel, None, chunk_size=1 << 16).manifest_id  # another chunking: another layer
-    assert other != layer and boxes._boot_file("vmlinuz", other) == tmp_path / "mnt" / "layers" / other / "disk.img"
+    layer = boxes.boot_files.layer("vmlinuz")  # as a snapshot records it
+    assert boxes.boot_files.file("vmlinuz", layer) == kernel
+    other = import_image(store, kernel, None, chunk_size=1 << 16).manifest_id  # another chunking: another layer
+    assert other != layer and boxes.boot_files.file("vmlinuz", other) == tmp_path / "mnt" / "layers" / other / "disk.img"
     kernel.write_bytes(b"kernel two" * 1000)  # rebuilt since: no longer that layer
-    assert boxes._boot_file("vmlinuz", layer) == tmp_path / "mnt" / "layers" / layer / "disk.img"
-    assert boxes._boot_layer("vmlinuz") != layer  # and the next snapshot names the new one
+    assert boxes.boot_files.file("vmlinuz", layer) == tmp_path / "mnt" / "layers" / layer / "disk.img"
+    assert boxes.boot_files.layer("vmlinuz") != layer  # and the next snapshot names the new one

@@ -50,7 +50,7 @@ def pipeline(tmp_path: Path) -> tuple[Snapshotting, FakeMount]:
         write_image(tmp_path / f"{name}.img", "rz", chunk=1 << 16, seed=i)
         layers[name] = import_image(store, tmp_path / f"{name}.img", None, chunk_size=1 << 16).manifest_id
     mount = FakeMount(tmp_path / "mnt", {"box": layers["box"], "box.mem": layers["box.mem"]})
-    return Snapshotting(store, mount, "fake", lambda name: layers[name]), mount  # type: ignore[arg-type]
+    return Snapshotting(store, mount, "fake", lambda name: layers[name], records=list), mount  # type: ignore[arg-type]
 
 
 def test_precopy_capture_publish_seal_both_layers_and_chain_the_snapshots(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ Each step returns its timings ("precopy", "capture", "seal", "publish").
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from pathlib import Path
 
 from fusefs.client import MountClient
 from fusefs.paths import MountPaths
-from layerstore.errors import NotFound, StrataError
+from layerstore import inventory
+from layerstore.errors import MissingChunk, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.snapshot import Snapshot
 from layerstore.store import Store
@@ -34,18 +36,71 @@ from layerstore.store import Store
 from .backend import DEFAULT_CMDLINE, Vm
 from .registry import SandboxRecord
 
+log = logging.getLogger("strata.vmm")
+
 
 class Snapshotting:
     """The snapshot steps of one node's sandboxes. Takes no locks: the
     caller holds the sandbox's (`Sandboxes._locked`) around all of them."""
 
-    def __init__(self, store: Store, client: MountClient, backend: str, boot_layer: Callable[[str], str]) -> None:
+    def __init__(self, store: Store, client: MountClient, backend: str, boot_layer: Callable[[str], str], *,
+                 records: Callable[[], list[SandboxRecord]]) -> None:
+        """`records()` are the node's sandbox records (what may still need a snapshot)."""
         self.store = store
+        self.records = records
         self.client = client  # the mount daemon: seals
         self.mount = client.mountpoint
         self.paths = MountPaths(self.mount)
         self.backend = backend  # its name, recorded in the snapshot
-        self.boot_layer = boot_layer  # "vmlinuz" -> the layer of the node's kernel (Sandboxes keeps that cache)
+        self.boot_layer = boot_layer  # "vmlinuz" -> the layer of the node's kernel (vmm/bootfiles.py)
+
+    # what the store keeps, and what a restore needs of it --------------------------------------
+    def drop_if_unused(self, snapshot_id: str | None) -> None:
+        """Delete `snapshot_id` if a sandbox took it for its own sake and
+        nothing needs it any more: not its sandbox (whose way back it is
+        while it is that record's last snapshot), no template, no other
+        record (restored from it, or waking from it). Its layers stay while
+        a running sandbox sits on them (GC's node roots); GC reclaims the
+        rest. A store that fails here fails nothing else: the caller's work
+        is done, and the snapshot is merely kept."""
+        if snapshot_id is None:
+            return
+        try:
+            notes = self.store.get_snapshot(snapshot_id).annotations
+            if not notes.get("implicit") or inventory.template_users(self.store).get(snapshot_id):
+                return
+            source = f"snapshot:{snapshot_id}"
+            if any(r.last_snapshot == snapshot_id or r.source == source for r in self.records()):
+                return
+            self.store.delete_snapshot(snapshot_id)
+        except NotFound:  # deleted already
+            return
+        except StrataError as exc:
+            log.warning("kept snapshot %s, which nothing may need any more: %s", snapshot_id, exc)
+            return
+        log.info("deleted snapshot %s of sandbox %s (%s): nothing needs it any more", snapshot_id,
+                 notes.get("sandbox"), notes["implicit"])
+
+    def check_complete(self, snapshot_id: str, snap: Snapshot) -> None:
+        """Refuse to start a VM whose memory or disk could fault on a missing chunk.
+
+        Guest memory pages in lazily: a chunk missing from the store would
+        surface as a crash mid-run. One batched existence check up front
+        turns that into a clear error before anything starts.
+        """
+        digests: set[str] = set()
+        packs: set[str] = set()
+        for layer_id in snap.layer_ids():
+            chunks, more = self.store.read_needs(layer_id)
+            digests |= chunks
+            packs |= more
+        missing = self.store.missing_chunks(digests) | {f"pack {p}" for p in self.store.missing_packs(packs)}
+        if missing:
+            raise MissingChunk(
+                f"snapshot {snapshot_id} cannot be restored: {len(missing)} chunk(s) or pack(s) missing from "
+                f"{self.store.describe()} (e.g. {sorted(missing)[0]})"
+            )
+
 
     def precopy(self, sid: str) -> dict[str, float]:
         """While the guest still runs: its dirty RAM written back, and the RAM
