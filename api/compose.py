@@ -160,7 +160,8 @@ class NodeContext:
                     lifetimes=Lifetimes(c, boxes, cluster, quietly=metrics.quietly), pools=pools, lifecycle=lifecycle,
                     access=Access(c, boxes, lifecycle.record),
                     builds=Builds(lifecycle, catalog, boxes, store, state / "template-files"),
-                    volumes=TeamVolumes(store, c, catalog, uploads=state / "uploads"), hold_stale=hold_stale)
+                    volumes=TeamVolumes(store, c, catalog, uploads=state / "uploads"), hold_stale=hold_stale,
+                    network=boxes.network)
         watch_metrics(node)
         return node
 

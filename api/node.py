@@ -32,6 +32,7 @@ from fusefs.protocol import MountStats
 from layerstore.config import NodeConfig
 from layerstore.errors import StrataError
 from vmm.domain_gate import DomainGate
+from vmm.network import Network
 from vmm.registry import SandboxRecord
 from vmm.resolver import Resolver
 from vmm.sandbox import Sandboxes
@@ -70,8 +71,9 @@ class Node:
     def __init__(self, config: NodeConfig, boxes: Sandboxes, metrics: Metrics, *, catalog: Catalog,
                  cluster: Membership, maintenance: Maintenance, supervisor: MountSupervisor, watchers: Watchers,
                  lifetimes: Lifetimes, pools: WarmPools, lifecycle: Lifecycle, access: Access, builds: Builds,
-                 volumes: TeamVolumes, hold_stale: threading.Event) -> None:
-        """`hold_stale` is set when a name is deleted (the catalog's `deleted`): the hold is rewritten then."""
+                 volumes: TeamVolumes, hold_stale: threading.Event, network: Network | None = None) -> None:
+        """`hold_stale` is set when a name is deleted (the catalog's `deleted`): the hold is rewritten then;
+        `network` is the node's sandbox networks (the VMs' too), whose resolver and gate the node runs."""
         self.config = config
         self.store = boxes.store
         self.boxes = boxes
@@ -81,6 +83,7 @@ class Node:
         self.access, self.builds, self.volumes = access, builds, volumes
         self.node_id = cluster.node_id
         self._hold_stale = hold_stale
+        self._network = network
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._resolver: Resolver | None = None
@@ -90,7 +93,7 @@ class Node:
     def start(self) -> None:
         """Reconcile with what survived a restart, then start the reaper and pool threads."""
         self._reap_leftovers()
-        network = self.boxes.network
+        network = self._network
         if network is not None:  # before any VM starts: theirs need the node's side
             network.prepare()
         self.cluster.start()
