@@ -188,3 +188,20 @@ def test_a_waiting_build_cannot_take_a_template_made_since(lab: Lab) -> None:
     assert status["status"] == "error" and "another team" in status["reason"]["message"], status
     assert "contested" in {t["templateID"] for t in lab.alpha.get("/templates").json()}  # still alpha's
     assert "contested" not in {t["templateID"] for t in lab.beta.get("/templates").json()}
+
+
+@pytest.mark.parametrize("image", ["127.0.0.1:{port}/team/app:1", "localhost:{port}/x:1", "169.254.169.254/latest:1",
+                                   "10.0.0.1:5000/x@sha256:" + "ab" * 32])
+def test_a_build_fetches_from_no_registry_the_node_was_not_told_of(lab: Lab, image: str) -> None:
+    """attacker: team beta.  target: an address the node reaches and beta does
+    not (the bait on the node's loopback, cloud metadata, a private host).
+    attempt: a template build whose fromImage names it as a registry, with
+    and without credentials.  must: 400 naming the `registries` setting
+    before any request; the bait sees none."""
+    hits = lab.bait.hits
+    for auth in ({}, {"fromImageRegistry": {"type": "registry", "username": "u", "password": "p"}}):
+        build_id = request_build(lab.beta, "pulled")
+        r = lab.beta.post(f"/v2/templates/pulled/builds/{build_id}",
+                          json={"fromImage": image.format(port=lab.bait.port), "steps": [], **auth})
+        assert r.status_code == 400 and "registries" in r.json()["message"], r.text
+    assert lab.bait.hits == hits

@@ -1,0 +1,66 @@
+"""Rows: one team against another's volume, through the control plane and
+the volume content API. Another team's volume answers as a missing one; the
+content API wants that volume's own token; no path leaves the volume."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.attacks.lab import Lab
+
+
+@pytest.fixture(scope="module")
+def volume(lab: Lab) -> dict:
+    r = lab.alpha.post("/volumes", json={"name": "alpha-data"})
+    assert r.status_code == 201, r.text
+    vol = r.json()
+    r = httpx.put(f"{lab.node.url}/volumecontent/{vol['volumeID']}/file", params={"path": "/secret"},
+                  content=b"alpha's secret", headers={"Authorization": f"Bearer {vol['token']}"})
+    assert r.status_code == 201, r.text
+    return vol
+
+
+def test_another_teams_volume_is_missing(lab: Lab, volume: dict) -> None:
+    """attacker: team beta, knowing alpha's volume id.  target: alpha's
+    volume and its token.  attempt: list, get (which would hand out the
+    token), destroy.  must: 404 as for a missing one; nothing listed; the
+    volume and its file stay."""
+    vid = volume["volumeID"]
+    assert vid not in lab.beta.get("/volumes").text
+    for method in ("GET", "DELETE"):
+        r = lab.beta.request(method, f"/volumes/{vid}")
+        assert r.status_code == 404 and volume["token"] not in r.text, r.text
+    assert lab.alpha.get(f"/volumes/{vid}").json()["token"] == volume["token"]
+
+
+def test_the_content_api_wants_the_volumes_own_token(lab: Lab, volume: dict) -> None:
+    """attacker: team beta, with its API key and a volume (and token) of its
+    own.  target: alpha's file.  attempt: reading and deleting it with
+    beta's key, beta's volume token, no token, a guessed one.  must: 401,
+    the same as for an unknown volume; the file stays."""
+    own = lab.beta.post("/volumes", json={"name": "beta-data"}).json()
+    vid = volume["volumeID"]
+    for headers in ({"X-API-Key": lab.beta.headers["X-API-Key"]}, {"Authorization": f"Bearer {own['token']}"}, {},
+                    {"Authorization": "Bearer " + "0" * 64}):
+        for method in ("GET", "DELETE"):
+            what = "file" if method == "GET" else "path"
+            r = httpx.request(method, f"{lab.node.url}/volumecontent/{vid}/{what}", params={"path": "/secret"},
+                              headers=headers)
+            assert r.status_code == 401 and b"alpha's secret" not in r.content, (headers, r.text)
+    r = httpx.get(f"{lab.node.url}/volumecontent/{vid}/file", params={"path": "/secret"},
+                  headers={"Authorization": f"Bearer {volume['token']}"})
+    assert r.content == b"alpha's secret"
+
+
+@pytest.mark.parametrize("path", ["../../etc/passwd", "/../secret", "/secret/../../x", "..", "/a/\0"])
+def test_no_path_leaves_the_volume(lab: Lab, volume: dict, path: str) -> None:
+    """attacker: a holder of a volume token.  target: the node's files
+    beside the volume.  attempt: paths with `..` and NUL on read and write.
+    must: 400, nothing read or written."""
+    base = f"{lab.node.url}/volumecontent/{volume['volumeID']}"
+    auth = {"Authorization": f"Bearer {volume['token']}"}
+    assert httpx.get(f"{base}/file", params={"path": path}, headers=auth).status_code == 400
+    assert httpx.put(f"{base}/file", params={"path": path}, content=b"x", headers=auth).status_code == 400
+    listed = httpx.get(f"{base}/dir", params={"path": "/"}, headers=auth).json()
+    assert [e["path"] for e in listed] == ["/secret"]
