@@ -103,7 +103,7 @@ class NodeContext:
             backend = open_backend(c.vmm, accel=c.accel, state_dir=c.state_dir)
             self._sandboxes = Sandboxes(store, client, backend, guest_dir=c.guest_dir,
                                         work_root=c.state_dir / "sandboxes", memory_mib=c.sandbox_memory,
-                                        network=self.network())
+                                        network=self.network(), volume_staging=c.max_upload)
         return self._sandboxes
 
     def network(self):  # noqa: ANN201 (vmm.network.Network | None)
@@ -141,6 +141,7 @@ class NodeContext:
         from .pools import POOL, WarmPools
         from .server import watch_metrics
         from .supervisor import MountSupervisor
+        from .teams import Caller
         from .volumes import TeamVolumes
 
         c, boxes, metrics = self.config, self.sandboxes(), Metrics()
@@ -162,6 +163,7 @@ class NodeContext:
                     builds=Builds(lifecycle, catalog, boxes, store, state / "template-files"),
                     volumes=TeamVolumes(store, c, catalog, uploads=state / "uploads"), hold_stale=hold_stale,
                     network=boxes.network)
+        boxes.volumes.quota = lambda team, size: catalog.check_stored(Caller(team), size)  # guests' volume writes
         watch_metrics(node)
         return node
 

@@ -23,11 +23,12 @@ from typing import Any
 from layerstore.config import NodeConfig
 from layerstore.errors import Conflict, InvalidInput, NotFound
 from layerstore.store import Store
+from layerstore.volumes import Volumes
 from vmm.agent import GuestMetrics
 from vmm.egress import Egress
 from vmm.events import LEVELS, Event
 from vmm.registry import SANDBOX, SandboxRecord, new_sid
-from vmm.sandbox import MAX_FORKS, Sandboxes
+from vmm.sandbox import MAX_FORKS, Sandboxes, snapshot_volumes
 
 from .builds import BUILD
 from .catalog import Catalog
@@ -163,6 +164,8 @@ class Lifecycle:
                         user=defaults.get("user", ""))
         if source.kind != "image" and disk_mb:
             raise InvalidInput("diskSizeMB applies to sandboxes booted from an image, not restored from a snapshot")
+        if source.kind != "image":
+            self._check_volumes(source.target, team)
         if source.kind == "image":
             if disk_mb:
                 lifetime["disk_size"] = disk_mb << 20
@@ -207,7 +210,10 @@ class Lifecycle:
     def create(self, caller: Caller, template_id: str, *, timeout: int | None, auto_pause: bool,
                metadata: dict[str, str], env: dict[str, str] | None = None,
                disk_mb: int | None = None, egress: Egress | None = None, public: bool = True,
-               idempotency: str = "") -> SandboxRecord:
+               idempotency: str = "", volumes: dict[str, str] | None = None) -> SandboxRecord:
+        """A new sandbox of `caller`'s from `template_id`, with `volumes`
+        ({guest path: volume id}, the team's: TeamVolumes.mounts) mounted;
+        one that cannot mount them is killed, nothing half-made stays."""
         ttl = self._ttl(timeout)
         if any(key.startswith(RESERVED_METADATA) for key in metadata):
             raise InvalidInput(f"metadata keys starting with {RESERVED_METADATA} are reserved")
@@ -231,8 +237,32 @@ class Lifecycle:
                 record = self.start_sandbox(source, sid=sid, metadata=metadata, timeout=ttl, auto_pause=auto_pause,
                                             team=caller.team, env=env, disk_mb=disk_mb, egress=egress, public=public,
                                             idempotency=idempotency)
+            if volumes:
+                record = self._mount(record, volumes)
         self.cluster.placed(record.sid)
         return record
+
+    def _mount(self, record: SandboxRecord, volumes: dict[str, str]) -> SandboxRecord:
+        try:
+            with self.vmm("mount"):
+                return self.boxes.mount_volumes(record.sid, volumes)
+        except BaseException:
+            with self.vmm("kill"):
+                self.boxes.kill(record.sid)
+            raise
+
+    def _check_volumes(self, snapshot_id: str, team: str) -> None:
+        """A snapshot whose guest has volumes mounted restores with them
+        served: only for the team that owns them, and while they exist."""
+        for path, volume_id in snapshot_volumes(self.store.get_snapshot(snapshot_id)).items():
+            try:
+                owner = Volumes(self.store.backend).get(volume_id).owner
+            except NotFound:
+                owner = None
+            if owner != team:
+                raise InvalidInput(f"this template has a volume mounted at {path} that "
+                                   f"{'no longer exists' if owner is None else 'belongs to another team'}: "
+                                   "build or snapshot it without the mount")
 
     def kill(self, caller: Caller, sid: str) -> None:
         self.record(sid, caller)

@@ -18,7 +18,7 @@ from posixpath import basename
 import anyio
 
 from layerstore.config import DEFAULT_TEAM, NodeConfig
-from layerstore.errors import NotFound, StrataError
+from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.store import Store
 from layerstore.volumes import (DIRECTORY, FILE, Entry, Volume, Volumes, check_path, check_volume_id, make_dir,
                                 put_entry, read_bytes, remove, set_metadata, store_bytes)
@@ -30,6 +30,19 @@ from .teams import Caller, same_secret
 from .uploads import staged
 
 DEFAULT_FILE_MODE, DEFAULT_DIR_MODE = 0o644, 0o755
+
+
+def check_mount_path(path: str) -> str:
+    """A guest directory to mount a volume on: absolute and normal (no `.`,
+    `..`, `//` or trailing `/`), not `/` and not under /proc, /sys or /dev."""
+    parts = path.split("/")[1:]
+    if (not path.startswith("/") or path == "/" or any(p in ("", ".", "..") for p in parts)
+            or "\0" in path or len(path) > 4096):
+        raise InvalidInput(f"invalid volume mount path {path!r}: an absolute directory such as /mnt/data "
+                           "(no '.', '..', '//' or trailing '/'), not /")
+    if parts[0] in ("proc", "sys", "dev"):
+        raise InvalidInput(f"invalid volume mount path {path!r}: not under /proc, /sys or /dev")
+    return path
 
 
 def _info(volume: Volume) -> m.VolumeAndToken:
@@ -65,6 +78,21 @@ class TeamVolumes:
 
     def get(self, caller: Caller, volume_id: str) -> m.VolumeAndToken:
         return _info(self._own(caller, volume_id))
+
+    def mounts(self, caller: Caller, wanted: list[m.SandboxVolumeMount]) -> dict[str, str]:
+        """A create's volumeMounts as {guest path: volume id}: each names one
+        of the caller's team's volumes (another team's is as missing) at an
+        absolute, normal guest path, one volume per path, none inside another."""
+        by_name = {v.name: v.id for v in self._volumes.list() if v.owner == caller.team}
+        out: dict[str, str] = {}
+        for mount in wanted:
+            path = check_mount_path(mount.path)
+            if mount.name not in by_name:
+                raise NotFound(f"volume {mount.name} not found")
+            if any(path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in out):
+                raise InvalidInput(f"volume mount {path} overlaps another mount")
+            out[path] = by_name[mount.name]
+        return out
 
     def destroy(self, caller: Caller, volume_id: str) -> None:
         """Remove the volume; its files' data stays until GC finds nothing else names it."""

@@ -13,8 +13,13 @@ by content). Stored at `snapshots/<id>` as canonical JSON:
       "v": 1,
       "vm": {"backend": "qemu", "cmdline": "console=ttyS0 ...", "cpus": 1,
              "initrd": "<layer id>", "kernel": "<layer id>", "memory_mib": 256,
-             "nic": true}                       optional: the VM had a network card
+             "nic": true,                       optional: the VM had a network card
+             "volume_port": true}               optional: ... the volume port (vmm/volumeport.py)
     }
+
+A snapshot of a sandbox with volumes mounted names them in its annotations
+(`"volumes": "{\"/mnt/data\": \"vol...\"}"`, JSON text): its guest's memory
+holds those mounts, so whatever restores it serves them.
 
 The id is the blake3-256 of those bytes. A snapshot is published only after
 every layer it names (and its parent snapshot) is in the store, so a reader
@@ -36,7 +41,7 @@ LAYER_ROLES = ("disk", "memory", "state")
 VM_INT_FIELDS = ("cpus", "memory_mib")
 VM_STR_FIELDS = ("backend", "cmdline")
 VM_LAYER_FIELDS = ("kernel", "initrd")
-VM_OPTIONAL_BOOL_FIELDS = ("nic",)  # absent = false (snapshots from before they existed)
+VM_OPTIONAL_BOOL_FIELDS = ("nic", "volume_port")  # absent = false (snapshots from before they existed)
 
 
 SNAPSHOT_PREFIX = "snapshots/"

@@ -210,6 +210,7 @@ class FakeVm:
 
 class FakeBackend:
     name = "fake"
+    volume_port = False
 
     def __init__(self, root: Path) -> None:
         self.root = root

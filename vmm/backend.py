@@ -45,6 +45,10 @@ class VmSpec:
     # gives the guest a NIC on its tap0. None = no NIC (a snapshot restores
     # only with the NIC set it was taken with).
     netns: str | None = None
+    # The volume port (vmm/guest/README.md, vmm/volumeport.py): a second
+    # virtio-serial port the guest's volume mounts ask through. Like the NIC,
+    # a snapshot restores only with the port set it was taken with.
+    volume_port: bool = False
     extra: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -78,6 +82,7 @@ class Vm(Protocol):
 
 class VmmBackend(Protocol):
     name: str
+    volume_port: bool  # whether its VMs can have the volume port (VmSpec.volume_port)
 
     def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> Vm:
         """Start (or restore) a VM and return once its agent answers; on any

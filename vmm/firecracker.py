@@ -224,6 +224,7 @@ class FirecrackerBackend:
     """
 
     name = "firecracker"
+    volume_port = False  # no virtio-serial: volume mounts would need the port over vsock
 
     def __init__(self, *, binary: str | None = None, accel: Accel | None = None, pci: bool = True,
                  kernel_cache: Path | None = None, track_dirty_pages: bool = False,

@@ -30,6 +30,7 @@ from .agent import DEFAULT_MAX_OUTPUT, Agent, RunResult
 from .backend import Vm, VmmBackend, VmSpec
 from .bootfiles import BootFiles
 from .egress import Egress
+from .mounts import DEFAULT_MAX_STAGED, Quota, VolumeMounts
 from .network import Network
 from .registry import LOCK_TIMEOUT, Registry, SandboxRecord, new_sid
 from .snapshotting import Snapshotting, memory_sid
@@ -70,6 +71,8 @@ class Machines:
         memory_mib: int = 256,
         lock_timeout: float = LOCK_TIMEOUT,
         network: Network | None = None,
+        volume_quota: Quota | None = None,
+        volume_staging: int = DEFAULT_MAX_STAGED,
     ) -> None:
         self.store = store
         self.client = client  # the mount daemon: sandbox disks, seals, cache
@@ -84,6 +87,7 @@ class Machines:
         self._vms: dict[str, Vm] = {}
         self._held = threading.local()  # .sids: the sandbox locks the current thread holds
         self.boot_files = BootFiles(store, guest_dir, self.paths, scratch=self.registry.root)
+        self.volumes = VolumeMounts(store, quota=volume_quota, max_staged=volume_staging)  # mounted in guests
         self.snapshots = Snapshotting(store, client, backend.name, self.boot_files.layer,  # the snapshot pipeline
                                       records=self.registry.all)
 
@@ -167,6 +171,7 @@ class Machines:
             if vm is not None:
                 vm.agent.close()  # a handle of a VM that is gone or not this sandbox's any more
             vm = self._vms[sid] = self.backend.attach(self.registry.workdir(sid))
+        self._serve_volumes(record, ensure=True)
         return Sandbox(record, vm, self.registry.workdir(sid))
 
     def agent(self, sid: str) -> Agent:
@@ -289,12 +294,14 @@ class Machines:
         record.pid = vm.pid
         self.registry.save(record)
         self._vms[record.sid] = vm
+        self._serve_volumes(record)
         what = "resumed" if keep_record else "restored" if spec.incoming else "booted"
         events.append(work, "info", f"{what} from {record.source}", seconds=f"{took:.3f}")
         return Sandbox(record, vm, work)
 
     def _stop(self, sid: str) -> None:
         """Stop the VM (if any) and remove the disk and RAM upper layers (if any)."""
+        self.volumes.stop(sid)
         vm = self._vms.pop(sid, None)
         if vm is not None and not vm.alive():  # died, or another process replaced it (suspend, wake)
             vm.agent.close()
@@ -309,6 +316,17 @@ class Machines:
         if self.network is not None:
             self.network.detach(sid)
         self._remove_uppers(sid)
+
+    def _serve_volumes(self, record: SandboxRecord, *, ensure: bool = False) -> None:
+        """Serve the VM's volume port. A failure leaves the guest's mounts
+        answering EIO (logged); the next `get` tries again."""
+        try:
+            if ensure:
+                self.volumes.ensure(record, self.registry.workdir(record.sid))
+            else:
+                self.volumes.serve(record, self.registry.workdir(record.sid))
+        except (OSError, StrataError) as exc:
+            log.error("sandbox %s: serving its volume mounts: %s", record.sid, exc)
 
     def _remove_uppers(self, sid: str, *, timeout: float = 10.0) -> None:
         """Remove the disk and RAM upper layers. The kernel tells the mount a

@@ -10,6 +10,8 @@ The command line (see vmm/guest/README.md for why each piece):
       -kernel vmlinuz -initrd initramfs.cpio.gz -append 'console=ttyS0 quiet panic=-1'
       -device virtio-serial-pci -chardev socket,id=agent,path=agent.sock,server=on,wait=off
       -device virtserialport,chardev=agent,name=strata.agent
+      [-chardev socket,id=volumes,path=volumes.sock,server=on,wait=off
+       -device virtserialport,chardev=volumes,name=strata.volumes]   the volume port
       -qmp unix:qmp.sock,server=on,wait=off -pidfile WORKDIR/qemu.pid
       -drive file=DISK,format=raw,if=virtio,cache=none
       [-incoming defer, then QMP getfd + migrate-incoming fd:NAME; without a
@@ -199,6 +201,7 @@ def _wait_migrated(qmp: QMP, *, timeout: float) -> None:
 
 class QemuBackend:
     name = "qemu"
+    volume_port = True
 
     def __init__(self, *, binary: str | None = None, accel: Accel | None = None) -> None:
         self.binary = binary or shutil.which(QEMU_BINARY) or QEMU_BINARY
@@ -232,6 +235,10 @@ class QemuBackend:
             "-qmp", "unix:qmp.sock,server=on,wait=off", "-pidfile", str(w / "qemu.pid"),
             "-drive", f"file={spec.disk},format=raw,if=virtio,cache=none",
         ]
+        if spec.volume_port:
+            i = argv.index("-qmp")
+            argv[i:i] = ["-chardev", "socket,id=volumes,path=volumes.sock,server=on,wait=off",
+                         "-device", "virtserialport,chardev=volumes,name=strata.volumes"]
         if spec.netns is not None:
             if spec.incoming is None:
                 i = argv.index("-append") + 1
@@ -261,7 +268,7 @@ class QemuBackend:
             log.warning("%s", self.accel.reason)
             self._warned = True
         spec.workdir.mkdir(parents=True, exist_ok=True)
-        for name in ("agent.sock", "qmp.sock", "qemu.pid"):
+        for name in ("agent.sock", "volumes.sock", "qmp.sock", "qemu.pid"):
             (spec.workdir / name).unlink(missing_ok=True)
         with open(spec.workdir / "qemu.log", "ab") as qlog:
             proc = subprocess.Popen(self.argv(spec), stdin=subprocess.DEVNULL, stdout=qlog, stderr=qlog,

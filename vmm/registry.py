@@ -87,6 +87,8 @@ class SandboxRecord:
     network: dict | None = None  # egress rules (vmm/egress.py) when the VM has a NIC; None = no network
     idempotency: str = ""  # the API's: the Idempotency-Key (and request digest) of the create that made it
     kind: str = SANDBOX  # the API's: a client's sandbox, a warm pool's, a template build's (opaque here)
+    volume_port: bool = False  # the VM has the volume port (vmm/guest/README.md), so it can mount volumes
+    volumes: dict[str, str] = field(default_factory=dict)  # mounted volumes: {guest path: volume id}
 
 
 def new_sid() -> str:

@@ -29,15 +29,17 @@ throughout, so processes and threads acting on one sandbox take turns.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from layerstore.errors import Conflict, InvalidInput, StrataError
+from layerstore.errors import Conflict, CorruptObject, InvalidInput, StrataError
 from layerstore.refs import parse_ref
 from layerstore.snapshot import Snapshot
+from layerstore.volumes import is_volume_id
 
 from . import events
 from .backend import DEFAULT_CMDLINE, VmSpec
@@ -79,13 +81,13 @@ class Sandboxes(Machines):
             memory = memory_mib or self.memory_mib
             record = SandboxRecord(sid, self.backend.name, f"image:{ref}", memory, metadata=dict(metadata or {}),
                                    network=self._rules(egress, nic=self.network is not None),
-                                   **lifetime)  # type: ignore[arg-type]
+                                   volume_port=self.backend.volume_port, **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
             return self._start(record, VmSpec(
                 kernel=self.guest_dir / "vmlinuz", initrd=self.guest_dir / "initramfs.cpio.gz",
                 disk=self.paths.sandbox(sid), workdir=work, memory_mib=memory,
-                cmdline=DEFAULT_CMDLINE, memory_file=self._memory_path(sid)),
+                cmdline=DEFAULT_CMDLINE, memory_file=self._memory_path(sid), volume_port=record.volume_port),
                 {"image": str(ref), **({"size": disk_size} if disk_size else {})}, self.boot_files.zero_memory(memory))
 
     def reboot_on_disk(self, sid: str, reason: str) -> Sandbox:
@@ -199,6 +201,7 @@ class Sandboxes(Machines):
         paused = time.monotonic()
         sandbox.vm.pause()
         try:
+            self.volumes.publish(sid)  # what the guest wrote to files it has open: for a restore elsewhere
             timings.update(self.snapshots.capture(sid, sandbox.vm, sandbox.workdir))
             if resume:  # the sealed generations are frozen: the guest writes to new ones while they publish
                 sandbox.vm.resume()
@@ -244,6 +247,7 @@ class Sandboxes(Machines):
             record = SandboxRecord(sid, self.backend.name, f"snapshot:{snapshot_id}", memory,
                                    last_snapshot=snapshot_id, metadata=dict(metadata or {}),
                                    network=self._rules(egress, nic=bool(snap.vm.get("nic"))),
+                                   volume_port=bool(snap.vm.get("volume_port")), volumes=snapshot_volumes(snap),
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
@@ -256,7 +260,8 @@ class Sandboxes(Machines):
             initrd=self.boot_files.file("initramfs.cpio.gz", str(snap.vm["initrd"])),
             disk=self.paths.sandbox(work.name), workdir=work,
             memory_mib=int(snap.vm["memory_mib"]), cmdline=str(snap.vm["cmdline"]),  # type: ignore[arg-type]
-            memory_file=self._memory_path(work.name), incoming=self.paths.snapshot(snapshot_id, "state"))
+            memory_file=self._memory_path(work.name), incoming=self.paths.snapshot(snapshot_id, "state"),
+            volume_port=bool(snap.vm.get("volume_port")))
 
     def suspend(self, sid: str) -> str:
         """Snapshot, then stop the VM and drop its upper layers: the sandbox
@@ -353,10 +358,34 @@ class Sandboxes(Machines):
         with self._locked(sid):
             record = self.registry.load(sid)  # NotFound for an unknown id
             self._stop(sid)
+            self.volumes.forget(sid)
             self.registry.remove(sid)  # releasing the lock then removes its file too
             self.snapshots.drop_if_unused(record.last_snapshot)
             if record.source.startswith("snapshot:"):  # a fork's: its origin may be unneeded now
                 self.snapshots.drop_if_unused(record.source.split(":", 1)[1])
+
+    def mount_volumes(self, sid: str, mounts: dict[str, str], *, timeout: float = 60.0) -> SandboxRecord:
+        """Mount volumes in the running guest of `sid`: {absolute guest path:
+        volume id}. Which team may mount which volume is the caller's
+        check. InvalidInput if the VM has no volume port (its template
+        was made before volume mounts, or the backend has none)."""
+        with self._locked(sid):
+            sandbox = self.get(sid)
+            record = sandbox.record
+            if not record.volume_port:
+                raise InvalidInput(f"sandbox {sid} cannot mount volumes: its VM has no volume port "
+                                   f"({'its template predates volume mounts: build it again' if self.backend.volume_port else self.backend.name + ' has none'})")
+            taken = set(mounts) & set(record.volumes)
+            if taken:
+                raise Conflict(f"{sorted(taken)[0]} already has a volume mounted in sandbox {sid}")
+            record.volumes = {**record.volumes, **mounts}
+            self.registry.save(record)
+            self._serve_volumes(record, ensure=True)
+            for path, volume_id in mounts.items():
+                sandbox.vm.agent.call("mount_volume", volume=volume_id, path=path, timeout=timeout)
+            events.append(sandbox.workdir, "info", "volumes mounted",
+                          mounts=" ".join(f"{p}={v}" for p, v in sorted(mounts.items())))
+            return record
 
     def set_egress(self, sid: str, egress: Egress) -> SandboxRecord:
         """Change a sandbox's egress rules; a running VM's apply at its next packet."""
@@ -370,6 +399,22 @@ class Sandboxes(Machines):
             self.registry.save(record)
             events.append(self.registry.workdir(sid), "info", f"egress rules changed: {egress.as_record()}")
             return record
+
+
+def snapshot_volumes(snap: Snapshot) -> dict[str, str]:
+    """The volumes a snapshot's guest has mounted ({guest path: volume id});
+    CorruptObject if its annotation is not that."""
+    text = snap.annotations.get("volumes")
+    if text is None:
+        return {}
+    try:
+        mounts = json.loads(text)
+        if isinstance(mounts, dict) and all(isinstance(p, str) and p.startswith("/") and is_volume_id(v)
+                                            for p, v in mounts.items()):
+            return dict(mounts)
+    except ValueError:
+        pass
+    raise CorruptObject("a snapshot's volumes annotation is not {guest path: volume id}")
 
 
 def _note(reason: str) -> str:

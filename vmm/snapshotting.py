@@ -18,6 +18,7 @@ Each step returns its timings ("precopy", "capture", "seal", "publish").
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import time
@@ -144,9 +145,11 @@ class Snapshotting:
             layers={"disk": disk, "memory": memory, "state": state_id},
             vm={"backend": self.backend, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
                 "kernel": self.boot_layer("vmlinuz"), "initrd": self.boot_layer("initramfs.cpio.gz"),
-                **({"nic": True} if record.network is not None else {})},
+                **({"nic": True} if record.network is not None else {}),
+                **({"volume_port": True} if record.volume_port else {})},
             parent=self._existing_snapshot(record.last_snapshot),
-            annotations={"sandbox": sid, "team": record.team, **({"implicit": implicit} if implicit else {})},
+            annotations={"sandbox": sid, "team": record.team, **({"implicit": implicit} if implicit else {}),
+                         **({"volumes": json.dumps(record.volumes, sort_keys=True)} if record.volumes else {})},
         )
         snapshot_id = self.store.put_snapshot(snap)
         timings.update(seal=t2 - t1, publish=time.monotonic() - t2)

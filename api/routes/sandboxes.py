@@ -7,7 +7,6 @@ import hashlib
 
 from fastapi import APIRouter, Header, Query, Response
 
-from layerstore.errors import InvalidInput
 
 from .. import models as m
 from ..deps import AUTH, CallerDep, LimitsDep, NodeDep, vmm_timing
@@ -27,13 +26,11 @@ NEXT_TOKEN = {200: {"headers": {"X-Next-Token": {"schema": {"type": "string"},
              summary="Create a sandbox from a template (named image or snapshot) or an image NAME:TAG")
 def create(body: m.NewSandbox, response: Response, node: NodeDep, caller: CallerDep,
            idempotency_key: str | None = IDEMPOTENCY_KEY) -> m.Sandbox:
-    if body.volumeMounts:  # a sandbox that would write to a path it thinks persists: refuse, lose nothing
-        raise InvalidInput("volumeMounts is not served yet: a sandbox cannot mount a volume on this node; read and "
-                           "write volumes through the volume API (Volume.write_file, read_file, list)")
     with vmm_timing(node, response):
         net = body.network or m.SandboxNetwork()
+        volumes = node.volumes.mounts(caller, body.volumeMounts) if body.volumeMounts else None
         options = dict(timeout=body.timeout, auto_pause=body.autoPause, metadata=body.metadata, env=body.envVars,
-                       disk_mb=body.diskSizeMB, public=net.allowPublicTraffic is not False,
+                       disk_mb=body.diskSizeMB, public=net.allowPublicTraffic is not False, volumes=volumes,
                        egress=node.lifecycle.egress(body.allow_internet_access, net.allowOut, net.denyOut))
         if idempotency_key is None:
             record = node.lifecycle.create(caller, body.templateID, **options)
