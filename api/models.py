@@ -124,12 +124,17 @@ class ListedSandbox(Reply):
     state: Literal["running", "paused"]
     envdVersion: str = ENVD_VERSION
     metadata: dict[str, str] = Field(default_factory=dict)
+    volumeMounts: list[SandboxVolumeMount] = Field(default_factory=list)
 
     @classmethod
-    def of(cls, record: SandboxRecord, *, disk_mb: int) -> ListedSandbox:
+    def of(cls, record: SandboxRecord, *, disk_mb: int, volume_names: dict[str, str] | None = None) -> ListedSandbox:
+        """`volume_names`: {volume id: name} of the volumes mounted (a deleted one shows its id)."""
+        names = volume_names or {}
+        mounts = [SandboxVolumeMount(name=names.get(v, v), path=p) for p, v in sorted(record.volumes.items())]
         return cls(templateID=record.template or record.source, sandboxID=record.sid,
                    startedAt=timestamp(record.created), endAt=timestamp(record.end_at), cpuCount=1,
-                   memoryMB=record.memory_mib, diskSizeMB=disk_mb, state=e2b_state(record), metadata=record.metadata)
+                   memoryMB=record.memory_mib, diskSizeMB=disk_mb, state=e2b_state(record), metadata=record.metadata,
+                   volumeMounts=mounts)
 
 
 class Lifecycle(Reply):
@@ -152,8 +157,9 @@ class SandboxDetail(ListedSandbox):
     network: SandboxNetworkInfo
 
     @classmethod
-    def of(cls, record: SandboxRecord, *, disk_mb: int, address: str | None = None) -> SandboxDetail:
-        listed = ListedSandbox.of(record, disk_mb=disk_mb).model_dump()
+    def of(cls, record: SandboxRecord, *, disk_mb: int, address: str | None = None,
+           volume_names: dict[str, str] | None = None) -> SandboxDetail:
+        listed = ListedSandbox.of(record, disk_mb=disk_mb, volume_names=volume_names).model_dump()
         rules = record.network
         given = rules or {}  # no network: no rules, no address
         network = SandboxNetworkInfo(allowOut=given.get("allow", []), denyOut=given.get("deny", []), address=address,

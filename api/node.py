@@ -227,19 +227,22 @@ class Node:
     def list_sandboxes(self, caller: Caller, *, metadata: dict[str, str],
                        states: frozenset[str]) -> list[m.ListedSandbox]:
         """E2B's GET /sandboxes: the caller's selected sandboxes in registry order, unpaged."""
-        return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r))
-                for r in listing.select(self.lifecycle.records(caller), metadata=metadata, states=states)]
+        rows = listing.select(self.lifecycle.records(caller), metadata=metadata, states=states)
+        names = self.volumes.names(rows)
+        return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r), volume_names=names) for r in rows]
 
     def list_sandboxes_page(self, caller: Caller, *, metadata: dict[str, str], states: frozenset[str], order: str,
                             limit: int, token: str | None) -> tuple[list[m.ListedSandbox], str | None]:
         """E2B's GET /v2/sandboxes: one page by start time, and the next page's token."""
         rows, next_token = listing.page(listing.select(self.lifecycle.records(caller), metadata=metadata, states=states),
                                         order=order, limit=limit, token=token)
-        return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r)) for r in rows], next_token
+        names = self.volumes.names(rows)
+        return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r), volume_names=names) for r in rows], next_token
 
     def sandbox_detail(self, caller: Caller, sid: str) -> m.SandboxDetail:
         record = self.lifecycle.record(sid, caller)
-        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record), address=self.boxes.address(record))
+        return m.SandboxDetail.of(record, disk_mb=self._disk_mb(record), address=self.boxes.address(record),
+                                  volume_names=self.volumes.names([record]))
 
     def all_records(self) -> list[dict]:
         """Every sandbox record, warm pool included, as the VMM layer keeps it (for operators)."""

@@ -22,6 +22,7 @@ from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.store import Store
 from layerstore.volumes import (DIRECTORY, FILE, Entry, Volume, Volumes, check_path, check_volume_id, make_dir,
                                 put_entry, read_bytes, remove, set_metadata, store_bytes)
+from vmm.registry import SandboxRecord
 
 from . import models as m
 from .catalog import Catalog
@@ -92,6 +93,16 @@ class TeamVolumes:
             if any(path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in out):
                 raise InvalidInput(f"volume mount {path} overlaps another mount")
             out[path] = by_name[mount.name]
+        return out
+
+    def names(self, records: list[SandboxRecord]) -> dict[str, str]:
+        """{volume id: name} of the volumes `records` mount (one store read each)."""
+        out = {}
+        for volume_id in sorted({v for r in records for v in r.volumes.values()}):
+            try:
+                out[volume_id] = self._volumes.get(volume_id).name
+            except StrataError:
+                continue  # deleted (or unreadable): shown by id
         return out
 
     def destroy(self, caller: Caller, volume_id: str) -> None:
