@@ -78,6 +78,8 @@ install -m 0755 "$FILES/init" "$I/init"; mkdir -p "$I/newroot" "$I/lib/modules"
 # ext4 and its deps (crc16, mbcache, jbd2) are only loaded if not built in.
 mods="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_console"
 mods="$mods failover net_failover virtio_net"  # the sandbox network (vmm/network.py)
+grep -q '/fuse.ko' "$K/lib/modules/$KVER/modules.builtin" ||
+    mods="$mods fuse"  # volume mounts (agent/volfs.go); no dependencies
 grep -q '/ext4.ko' "$K/lib/modules/$KVER/modules.builtin" ||
     mods="$mods crc16 crc32c_generic mbcache jbd2 ext4"
 : >"$I/lib/modules/load.list"

@@ -336,6 +336,10 @@ func (a *Agent) concurrent(req *Request) {
 		}
 	case "read":
 		err = a.files.read(a, req)
+	case "mount_volume": // volfs.go
+		if err = mountVolume(req.Volume, req.Path); err == nil {
+			a.send(&Reply{ID: req.ID, End: true})
+		}
 	case "watch":
 		var w *watcher
 		if w, err = newWatcher(req.Path, req.Recursive); err == nil {

@@ -28,6 +28,7 @@ type Request struct {
 	Recursive bool              `json:"recursive,omitempty"`
 	Handle    uint64            `json:"handle,omitempty"`
 	Target    uint64            `json:"target,omitempty"` // cancel: the id of the stream to stop
+	Volume    string            `json:"volume,omitempty"` // mount_volume: the volume's id
 }
 
 // Size is a terminal size.
