@@ -3,12 +3,15 @@ SDK's `Volume`: create, connect, list, destroy; write, read (whole and
 streamed), list, make_dir, exists, get_info, update_metadata, remove.
 Volumes outlive the node (a restart) and GC, count against the team's
 stored-bytes quota, and are another team's to see never; a wrong token,
-a path with `..`, a directory in a file's way and a volume mount at create
-get a clear error and change nothing."""
+a path with `..` and a directory in a file's way get a clear error and
+change nothing. Mounted in sandboxes (the guest agent's FUSE mount, served
+over the volume port), a volume is the same files inside and out."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -151,7 +154,123 @@ def test_a_volume_counts_against_the_teams_stored_bytes(node: NodeServer) -> Non
         == ["/one"]
 
 
-def test_a_volume_mount_at_create_is_refused(node: NodeServer) -> None:
-    r = client(node, ALPHA).post("/sandboxes", json={"templateID": "none", "volumeMounts": [
-        {"name": "data", "path": "/mnt/data"}]})
-    assert r.status_code == 400 and "volumeMounts" in r.json()["message"]
+def wait_for(check, what: str, *, seconds: float = 15.0):  # noqa: ANN001, ANN201
+    """`check()` once it is truthy: mounts cache names and attributes for a second."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            assert value, what
+            return value
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def sandbox_sdk(node: NodeServer, sdk: type, monkeypatch: pytest.MonkeyPatch) -> type:
+    from e2b import Sandbox
+
+    monkeypatch.setenv("E2B_SANDBOX_URL", node.url)
+    if client(node, ALPHA).get("/templates/aliases/base").status_code != 200:  # the CLI's, public
+        node.strata("image", "import", str(Path(node.env["STRATA_GUEST_DIR"]) / "rootfs.ext4"), "guest:v1")
+        node.strata("template", "create", "--image", "guest:v1", "--public", "base")
+    return Sandbox
+
+
+def test_a_mounted_volume_is_the_volume_in_the_guest_and_outside(sdk: type, sandbox_sdk: type,
+                                                                  node: NodeServer) -> None:
+    """Files a guest writes under its mount are the volume's (read through
+    the volume API, from another sandbox, after pause and resume, in a
+    fork, which shares the volume and does not copy it); files written
+    through the volume API show in the guest."""
+    vol = sdk.create("mounted")
+    vol.write_file("/seed/hello.txt", "from the API\n")
+    sbx = sandbox_sdk.create("base", volume_mounts={"/mnt/data": vol}, timeout=600)
+    run = sbx.commands.run
+    assert run("cat /mnt/data/seed/hello.txt").stdout == "from the API\n"
+    out = run("cd /mnt/data && mkdir -p logs && echo one > logs/a.txt && echo two >> logs/a.txt && "
+              "dd if=/dev/urandom of=big.bin bs=1M count=3 2>/dev/null && sha256sum big.bin && "
+              "mv logs/a.txt logs/b.txt && ln -s logs/b.txt link && chmod 600 logs/b.txt && ls -la logs").stdout
+    digest = out.split()[0]
+    assert vol.read_file("logs/b.txt") == "one\ntwo\n"
+    assert vol.get_info("logs/b.txt").mode & 0o777 == 0o600
+    assert hashlib.sha256(vol.read_file("big.bin", format="bytes")).hexdigest() == digest
+    assert not vol.exists("logs/a.txt")
+    vol.write_file("/seed/later.txt", "written while mounted\n")
+    assert wait_for(lambda: run("cat /mnt/data/seed/later.txt 2>/dev/null || true").stdout
+                    == "written while mounted\n", "the API's write shows in the guest")
+    errors = run("rmdir /mnt/data/seed 2>&1; rm /mnt/data/logs 2>&1; true").stdout
+    assert "not empty" in errors.lower() and "directory" in errors.lower()
+
+    other = sandbox_sdk.create("base", volume_mounts={"/data": "mounted"}, timeout=300)  # by name, a second writer
+    assert other.commands.run("cat /data/logs/b.txt").stdout == "one\ntwo\n"
+    other.commands.run("echo from-other > /data/other.txt")
+    assert wait_for(lambda: run("cat /mnt/data/other.txt 2>/dev/null || true").stdout == "from-other\n",
+                    "one sandbox's closed file shows in another")
+    other.kill()
+
+    # a file open for writing across a pause: what it wrote before is published by the pause,
+    # and the resumed guest's later writes land on it
+    run("sh -c 'exec 3>/mnt/data/open.txt; echo before >&3; sleep 6; echo after >&3'", background=True)
+    wait_for(lambda: run("cat /mnt/data/open.txt").stdout == "before\n", "the open file's first write")
+    sbx.pause()
+    assert vol.read_file("open.txt") == "before\n"
+    sbx = sandbox_sdk.connect(sbx.sandbox_id, timeout=600)
+    assert sbx.commands.run("cat /mnt/data/logs/b.txt").stdout == "one\ntwo\n"
+    wait_for(lambda: vol.read_file("open.txt") == "before\nafter\n", "the resumed guest's write on", seconds=40)
+    sbx.commands.run("echo after-resume > /mnt/data/resumed.txt")
+    assert vol.read_file("resumed.txt") == "after-resume\n"
+
+    forks = client(node, ALPHA).post(f"/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1}).json()
+    fork = forks[0]["sandbox"]["sandboxID"]
+    r = client(node, ALPHA).post(f"/sandboxes/{fork}/exec",
+                                 json={"command": "cat /mnt/data/resumed.txt && echo from-fork > /mnt/data/fork.txt"})
+    assert r.json()["exitCode"] == 0 and r.json()["output"] == "after-resume\n"
+    assert vol.read_file("fork.txt") == "from-fork\n"  # shared, not copied
+    assert wait_for(lambda: sbx.commands.run("cat /mnt/data/fork.txt 2>/dev/null || true").stdout == "from-fork\n",
+                    "the fork's write shows in its parent")
+    client(node, ALPHA).delete(f"/sandboxes/{fork}")
+    sbx.kill()
+    assert sdk.destroy(vol.volume_id)
+
+
+def test_a_bad_volume_mount_makes_no_sandbox(sdk: type, sandbox_sdk: type, node: NodeServer) -> None:
+    """Another team's volume is as missing as none, paths must be plain
+    absolute directories outside /proc, /sys and /dev: 4xx, nothing left."""
+    sdk.create("mine")
+    beta = client(node, BETA)
+    assert beta.post("/volumes", json={"name": "theirs"}).status_code == 201
+    alpha = client(node, ALPHA)
+    before = alpha.get("/v2/sandboxes").json()
+    cases = [([{"name": "theirs", "path": "/mnt/x"}], 404), ([{"name": "nope", "path": "/mnt/x"}], 404),
+             ([{"name": "mine", "path": "mnt/x"}], 400), ([{"name": "mine", "path": "/mnt/../etc"}], 400),
+             ([{"name": "mine", "path": "/proc/x"}], 400), ([{"name": "mine", "path": "/"}], 400),
+             ([{"name": "mine", "path": "/a"}, {"name": "mine", "path": "/a/b"}], 400)]
+    for mounts, status in cases:
+        r = alpha.post("/sandboxes", json={"templateID": "base", "volumeMounts": mounts})
+        assert r.status_code == status, (mounts, r.text)
+    assert alpha.get("/v2/sandboxes").json() == before
+
+
+def test_a_snapshot_keeps_its_mounts_for_its_team_only(sdk: type, sandbox_sdk: type, node: NodeServer) -> None:
+    """A sandbox restored from a snapshot of one with a volume mounted has
+    the volume mounted (its guest's memory holds the mount); a public
+    template made of that snapshot is refused to another team (it would
+    serve them alpha's volume), and to alpha once the volume is gone."""
+    vol = sdk.create("kept-mount")
+    sbx = sandbox_sdk.create("base", volume_mounts={"/mnt/kept": vol}, timeout=300)
+    sbx.commands.run("echo in-volume > /mnt/kept/f")
+    snap = sbx.create_snapshot()
+    sbx.kill()
+    child = sandbox_sdk.create(snap.snapshot_id, timeout=300)
+    assert child.commands.run("cat /mnt/kept/f").stdout == "in-volume\n"
+    child.commands.run("echo from-child > /mnt/kept/g")
+    assert vol.read_file("g") == "from-child\n"
+    assert client(node, ALPHA).get(f"/sandboxes/{child.sandbox_id}").json()["volumeMounts"] == [
+        {"name": "kept-mount", "path": "/mnt/kept"}]
+    child.kill()
+    node.strata("template", "create", "--snapshot", snap.snapshot_id, "--public", "leaky")
+    r = client(node, BETA).post("/sandboxes", json={"templateID": "leaky"})
+    assert r.status_code == 400 and "another team" in r.json()["message"], r.text
+    assert sdk.destroy(vol.volume_id)
+    r = client(node, ALPHA).post("/sandboxes", json={"templateID": snap.snapshot_id})
+    assert r.status_code == 400 and "no longer exists" in r.json()["message"], r.text
