@@ -13,7 +13,10 @@ write or remove: only an admin may (`writable_ref`).
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -24,7 +27,7 @@ from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.importer import import_image
 from layerstore.refs import RESERVED_PREFIX, Ref, is_reserved, parse_ref
 from layerstore.store import Store, inspect_image
-from layerstore.templates import Template, check_template_name, new_template
+from layerstore.templates import DEFAULT_TAG, Template, check_tag, check_template_name, new_template
 from layerstore.volumes import Volumes
 
 from . import models as m
@@ -173,6 +176,46 @@ class Catalog:
         self.store.put_template(template)
         return self._template(template)
 
+    # E2B's template tags: NAME:TAG names of one template, each a template of its own
+    def assign_tags(self, caller: Caller, target: str, tags: list[str]) -> m.AssignedTemplateTags:
+        """Give what `target` (NAME:TAG, the caller's) names to NAME:TAG2 for
+        each tag: the same image or snapshot and process defaults. A tag
+        another team holds is 409; every tag is checked before any is written."""
+        source = self.store.get_template(self._own_template(caller, target))
+        base = source.name.partition(":")[0]
+        names = [self.check_template_free(caller, f"{base}:{check_tag(tag)}") for tag in tags]
+        if not names:
+            raise InvalidInput("give at least one tag")
+        for name in names:
+            self.store.put_template(replace(source, name=name, created=time.time(), owner=caller.team))
+        return m.AssignedTemplateTags(tags=[n.partition(":")[2] or DEFAULT_TAG for n in names],
+                                      buildID=build_id(source))
+
+    def remove_tags(self, caller: Caller, name: str, tags: list[str]) -> None:
+        """Remove NAME:TAG for each tag (what they named stays); all must be the caller's."""
+        names = [self._own_template(caller, f"{name.partition(':')[0]}:{check_tag(tag)}") for tag in tags]
+        for full in names:
+            self.store.delete_template(full)
+
+    def tags(self, caller: Caller, name: str) -> list[m.TemplateTag]:
+        """The tags of template NAME the caller may start (its team's, public ones)."""
+        base = check_template_name(name).partition(":")[0]
+        found = [t for t in self.store.list_templates()
+                 if t.name.partition(":")[0] == base and (caller.sees(t.owner) or t.public)]
+        if not found:
+            raise NotFound(f"template {name!r} not found")
+        return [m.TemplateTag(tag=t.name.partition(":")[2] or DEFAULT_TAG, buildID=build_id(t),
+                              createdAt=m.timestamp(t.created)) for t in sorted(found, key=lambda t: t.name)]
+
+    def _own_template(self, caller: Caller, name: str) -> str:
+        """The canonical name of the caller's template `name`; NotFound otherwise."""
+        try:
+            template = self.store.get_template(check_template_name(name))
+        except InvalidInput:
+            raise NotFound(f"template {name!r} not found") from None
+        caller.check_sees(template.owner, f"template {name} not found")
+        return template.name
+
     def delete_template(self, caller: Caller, name: str) -> None:
         """Remove a template name (what it named stays); a snapshot id here
         is E2B's delete_snapshot: the snapshot goes with the caller's names
@@ -270,3 +313,9 @@ class Catalog:
         """A stored chunk object (zstd frame) from this node's own store only:
         a peer falls back to the remote itself, and verifies the digest."""
         return self.store.chunk_object(digest)
+
+
+def build_id(template: Template) -> str:
+    """E2B's build id (a UUID) of what a template names: tags naming the
+    same image or snapshot share it."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"strata:{template.kind}:{template.target}"))

@@ -340,6 +340,27 @@ class SnapshotInfo(Reply):
     names: list[str]
 
 
+class AssignTemplateTags(Lenient):
+    target: str = Field(max_length=257, description="the template to tag, NAME:TAG")
+    tags: list[str] = Field(max_length=64)
+
+
+class DeleteTemplateTags(Lenient):
+    name: str = Field(max_length=257)
+    tags: list[str] = Field(max_length=64)
+
+
+class AssignedTemplateTags(Reply):
+    tags: list[str]
+    buildID: str = Field(description="a UUID naming what the tags point at (tags of one image or snapshot share it)")
+
+
+class TemplateTag(Reply):
+    tag: str
+    buildID: str
+    createdAt: datetime
+
+
 class TemplateAlias(Reply):
     templateID: str
     public: bool = Field(description="every team may start it (else it is its team's alone)")

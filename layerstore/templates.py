@@ -69,6 +69,14 @@ def check_template_name(name: str) -> str:
     return base if tag in ("", DEFAULT_TAG) else f"{base}:{tag}"
 
 
+def check_tag(tag: str) -> str:
+    """A template tag alone (E2B's tags API); InvalidInput otherwise."""
+    if not isinstance(tag, str) or not _NAME_RE.fullmatch(tag):
+        raise InvalidInput(f"invalid template tag {tag!r}: letters, digits, '.', '_', '-' (starting with a letter "
+                           "or digit, at most 128)")
+    return tag
+
+
 def template_key(name: str) -> str:
     base, _, tag = check_template_name(name).partition(":")
     return f"{TAGGED_TEMPLATE_PREFIX}{base}/{tag}" if tag else f"{TEMPLATE_PREFIX}{base}"

@@ -89,6 +89,29 @@ def test_e2b_sdk_round_trip(server: NodeServer, monkeypatch: pytest.MonkeyPatch)
     assert ids(server) == []
 
 
+def test_e2b_sdk_template_tags(server: NodeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Template.assign_tags / get_tags / remove_tags, unchanged SDK: a new tag
+    starts what the tagged name starts; another team sees no tags."""
+    from e2b import Template, TemplateException
+
+    monkeypatch.setenv("E2B_API_URL", server.url)
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    info = Template.assign_tags("base:default", ["prod", "canary"])
+    assert sorted(info.tags) == ["canary", "prod"]
+    tags = {t.tag: t.build_id for t in Template.get_tags("base")}
+    assert {"default", "prod", "canary"} <= set(tags) and tags["prod"] == tags["default"] == info.build_id
+    assert Template.exists("base:prod")
+    Template.remove_tags("base", "canary")
+    assert "canary" not in {t.tag for t in Template.get_tags("base")}
+    with pytest.raises(TemplateException):
+        Template.assign_tags("base:default", "no/slash")
+    monkeypatch.setenv("E2B_API_KEY", OTHER_TEAM_KEY)
+    with pytest.raises(Exception, match="404|not found"):
+        Template.get_tags("base")
+    monkeypatch.setenv("E2B_API_KEY", API_KEY)
+    Template.remove_tags("base", "prod")
+
+
 def test_e2b_sdk_snapshots_are_templates(server: NodeServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """E2B's snapshots are templates: create_snapshot's id (bare or `:default`)
     and its NAME:TAG names start sandboxes with the files it kept;

@@ -234,3 +234,32 @@ def test_chunks_for_peers_come_from_this_store(world: World) -> None:
     assert world.cat.chunk(digest) == world.store.backend.get(chunk_key(digest))
     with pytest.raises(NotFound):
         world.cat.chunk("ab" * 32)
+
+
+def test_template_tags_name_one_template_and_stay_their_teams(world: World) -> None:
+    """E2B's tags: assign gives what NAME:TAG names to more tags (one build
+    id), get lists them, remove drops them and nothing else; another team
+    can neither tag, list nor remove alpha's, nor take a tag it holds, and
+    a bad tag changes nothing."""
+    cat = world.cat
+    cat.create_template(ALPHA, "base:v1", image="base:v1", snapshot=None)
+    assigned = cat.assign_tags(ALPHA, "base:v1", ["prod", "stable"])
+    assert assigned.tags == ["prod", "stable"]
+    assert world.store.get_template("base:prod").target == "base:v1"
+    tags = {t.tag: t.buildID for t in cat.tags(ALPHA, "base")}
+    assert set(tags) == {"default", "v1", "prod", "stable"} and len(set(tags.values())) == 1
+    assert str(assigned.buildID) == tags["prod"]
+    with pytest.raises(NotFound):
+        cat.assign_tags(BETA, "base:v1", ["mine"])
+    with pytest.raises(NotFound):
+        cat.tags(BETA, "base")
+    with pytest.raises(NotFound):
+        cat.remove_tags(BETA, "base", ["prod"])
+    with pytest.raises(InvalidInput):
+        cat.assign_tags(ALPHA, "base:v1", ["ok", "../x"])
+    assert not any(t.name == "base:ok" for t in world.store.list_templates())  # checked before any is written
+    cat.remove_tags(ALPHA, "base", ["prod"])
+    assert {t.tag for t in cat.tags(ALPHA, "base")} == {"default", "v1", "stable"}
+    with pytest.raises(NotFound):
+        cat.remove_tags(ALPHA, "base", ["prod"])  # gone
+    assert world.store.resolve("base:v1") == world.manifest  # the image is untouched

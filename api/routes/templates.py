@@ -26,6 +26,24 @@ def template_alias(alias: str, node: NodeDep, caller: CallerDep) -> m.TemplateAl
     return node.catalog.template_alias(caller, alias)
 
 
+@router.post("/templates/tags", status_code=201, response_model=m.AssignedTemplateTags,
+             summary="E2B's Template.assign_tags: NAME:TAG2 for each tag names what NAME:TAG names")
+def assign_tags(body: m.AssignTemplateTags, node: NodeDep, caller: CallerDep) -> m.AssignedTemplateTags:
+    return node.catalog.assign_tags(caller, body.target, body.tags)
+
+
+@router.delete("/templates/tags", status_code=204, summary="E2B's Template.remove_tags")
+def remove_tags(body: m.DeleteTemplateTags, node: NodeDep, caller: CallerDep) -> Response:
+    node.catalog.remove_tags(caller, body.name, body.tags)
+    return Response(status_code=204)
+
+
+@router.get("/templates/{templateID}/tags", response_model=list[m.TemplateTag], summary="E2B's Template.get_tags")
+def template_tags(templateID: str, node: NodeDep, caller: CallerDep) -> list[m.TemplateTag]:
+    return node.catalog.tags(caller, templateID)
+
+
+# after /templates/tags: FastAPI tries routes in order
 @router.delete("/templates/{templateID}", status_code=204)
 def delete_template(templateID: str, node: NodeDep, caller: CallerDep) -> Response:
     node.catalog.delete_template(caller, templateID)
