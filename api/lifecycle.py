@@ -45,6 +45,9 @@ from .teams import ADMIN, Caller, check_quota
 RESERVED_METADATA = "strata."  # metadata keys only the node sets (a client's would hide its sandbox)
 
 
+START_WAIT = 120.0  # seconds a start waits for its turn (max_starting) before 429
+
+
 class Lifecycle:
     def __init__(self, config: NodeConfig, store: Store, boxes: Sandboxes, metrics: Metrics, *,
                  catalog: Catalog, cluster: Membership, pools: WarmPools, watchers: Watchers) -> None:
@@ -58,8 +61,23 @@ class Lifecycle:
         self.watchers = watchers
         self._vmm_time = threading.local()
         self._capacity_lock = threading.Lock()
+        # Starts take turns: on few cores, fifty restores at once are each slower
+        # than fifty in turn, four at a time (bench/starts.py).
+        self._starting = threading.BoundedSemaphore(config.max_starting)
         self._reserved: dict[str, str] = {}  # ids of sandboxes being created -> their team
         self._once = Idempotency(self.records)
+
+    @contextmanager
+    def _start_turn(self, *, wait: float = START_WAIT) -> Iterator[None]:
+        """Hold one of the node's `max_starting` places while a VM starts;
+        Capacity (429) if none frees within `wait` seconds."""
+        if not self._starting.acquire(timeout=wait):
+            raise Capacity(f"{self.config.max_starting} sandboxes are starting on this node and more wait: "
+                           "try again shortly")
+        try:
+            yield
+        finally:
+            self._starting.release()
 
     @contextmanager
     def vmm(self, op: str) -> Iterator[None]:
@@ -169,10 +187,10 @@ class Lifecycle:
         if source.kind == "image":
             if disk_mb:
                 lifetime["disk_size"] = disk_mb << 20
-            with self.vmm("create"):
+            with self._start_turn(), self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
                                        metadata=metadata, egress=egress or self.egress(), **lifetime).record
-        with self.vmm("create"):
+        with self._start_turn(), self.vmm("create"):
             return self.boxes.restore(source.target, sid=sid, metadata=metadata, egress=egress or self.egress(),
                                       **lifetime).record
 
@@ -295,7 +313,7 @@ class Lifecycle:
         ttl = self._ttl(timeout)
         claimed = self.cluster.claim_own(sid)
         try:
-            with self.vmm("resume"):
+            with self._start_turn(), self.vmm("resume"):
                 woken = self.boxes.wake(sid, end_at=time.time() + ttl).record  # type: ignore[operator]
         except BaseException:
             self.cluster.paused(sid)  # paused still: any node may wake it again

@@ -286,6 +286,8 @@ class NodeConfig:
     sandbox_timeout: float = _setting("300s", parse_duration, "TTL of a sandbox created without a timeout")
     max_timeout: float = _setting("24h", parse_duration, "longest TTL a request may ask for")
     max_sandboxes: int = _setting("64", _positive, "sandboxes (running + paused) one node holds at most")
+    max_starting: int = _setting("4", _positive, "sandboxes one node starts (boots, restores, resumes) at once; "
+                                 "more wait their turn (up to 2 minutes, then 429)")
     paused_retention: float = _setting("7d", parse_duration, "how long a paused sandbox is kept before it is "
                                                              "reclaimed")
     max_upload: int = _setting("64G", parse_bytes, "largest image upload the API accepts")

@@ -373,8 +373,9 @@ class Sandboxes(Machines):
             sandbox = self.get(sid)
             record = sandbox.record
             if not record.volume_port:
-                raise InvalidInput(f"sandbox {sid} cannot mount volumes: its VM has no volume port "
-                                   f"({'its template predates volume mounts: build it again' if self.backend.volume_port else self.backend.name + ' has none'})")
+                why = ("its template predates volume mounts: build it again" if self.backend.volume_port
+                       else f"{self.backend.name} has none")
+                raise InvalidInput(f"sandbox {sid} cannot mount volumes: its VM has no volume port ({why})")
             taken = set(mounts) & set(record.volumes)
             if taken:
                 raise Conflict(f"{sorted(taken)[0]} already has a volume mounted in sandbox {sid}")
