@@ -64,3 +64,19 @@ def test_no_path_leaves_the_volume(lab: Lab, volume: dict, path: str) -> None:
     assert httpx.put(f"{base}/file", params={"path": path}, content=b"x", headers=auth).status_code == 400
     listed = httpx.get(f"{base}/dir", params={"path": "/"}, headers=auth).json()
     assert [e["path"] for e in listed] == ["/secret"]
+
+
+def test_another_teams_volume_cannot_be_mounted(lab: Lab, volume: dict) -> None:
+    """attacker: team beta, knowing the name and id of alpha's volume.
+    target: alpha's files, by mounting the volume in a sandbox of beta's.
+    attempt: volumeMounts by alpha's volume name and by its id.  must: 404
+    as for a missing volume, before any sandbox is made; beta holds no
+    sandbox afterwards."""
+    image = lab.own_image(lab.beta, "guest:beta")
+    before = lab.beta.get("/v2/sandboxes").json()
+    for name in ("alpha-data", volume["volumeID"]):
+        r = lab.beta.post("/sandboxes", json={"templateID": image, "timeout": 60,
+                                              "volumeMounts": [{"name": name, "path": "/mnt/x"}]})
+        assert r.status_code == 404 and volume["token"] not in r.text, r.text
+    assert lab.beta.get("/v2/sandboxes").json() == before
+
