@@ -106,8 +106,10 @@ class Catalog:
                   if (self.store.ref_owner(ref) or DEFAULT_TEAM) == team]
         for s in inventory.list_snapshots(self.store, team=team):
             layers += self.store.get_snapshot(s.snapshot_id).layers.values()
-        layers += [layer for v in Volumes(self.store.backend).list() if (v.owner or DEFAULT_TEAM) == team
-                   for layer in v.layers()]
+        volumes = Volumes(self.store.backend)
+        layers += [layer for v in volumes.list() if (v.owner or DEFAULT_TEAM) == team for layer in v.layers()]
+        layers += [layer for s in volumes.snapshots() if (s.volume.owner or DEFAULT_TEAM) == team
+                   for layer in s.volume.layers()]
         return self.store.stored_bytes(layers)[0]
 
     # snapshots (layerstore/inventory.py answers; this only shapes the reply) ------------

@@ -494,6 +494,15 @@ class TransferRequest(BaseModel):
 # volumes (E2B's /volumes and /volumecontent) --------------------------------------------------
 class NewVolume(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]+$", max_length=128)
+    fromSnapshot: str | None = Field(None, max_length=64, description="Strata: a volume snapshot of the team's "
+                                     "to start from (its files, not copied: their layers are shared)")
+
+
+class VolumeSnapshot(Reply):
+    snapshotID: str
+    volumeID: str = Field(description="the volume it was taken of")
+    name: str = Field(description="that volume's name then")
+    takenAt: datetime
 
 
 class Volume(Reply):

@@ -20,8 +20,8 @@ import anyio
 from layerstore.config import DEFAULT_TEAM, NodeConfig
 from layerstore.errors import InvalidInput, NotFound, StrataError
 from layerstore.store import Store
-from layerstore.volumes import (DIRECTORY, FILE, Entry, Volume, Volumes, check_path, check_volume_id, make_dir,
-                                put_entry, read_bytes, remove, set_metadata, store_bytes)
+from layerstore.volumes import (DIRECTORY, FILE, Entry, Volume, Volumes, VolumeSnapshot, check_path, check_volume_id,
+                                make_dir, put_entry, read_bytes, remove, set_metadata, store_bytes)
 from vmm.registry import SandboxRecord
 
 from . import models as m
@@ -50,6 +50,11 @@ def _info(volume: Volume) -> m.VolumeAndToken:
     return m.VolumeAndToken(volumeID=volume.id, name=volume.name, token=volume.token)
 
 
+def _snapshot_info(snap: VolumeSnapshot) -> m.VolumeSnapshot:
+    return m.VolumeSnapshot(snapshotID=snap.id, volumeID=snap.source, name=snap.volume.name,
+                            takenAt=m.timestamp(snap.taken))
+
+
 def _stat(path: str, entry: Entry) -> m.VolumeEntryStat:
     times = {k: m.timestamp(entry.mtime) for k in ("atime", "mtime")}
     return m.VolumeEntryStat(name=basename(path), type=entry.type, path="/" + path, size=entry.size,
@@ -71,8 +76,27 @@ class TeamVolumes:
         caller.check_sees(volume.owner, f"volume {volume_id} not found")
         return volume
 
-    def create(self, caller: Caller, name: str) -> m.VolumeAndToken:
-        return _info(self._volumes.create(name, caller.team))
+    def create(self, caller: Caller, name: str, *, from_snapshot: str | None = None) -> m.VolumeAndToken:
+        """A new volume, empty or with the files of one of the team's volume snapshots."""
+        entries = self._own_snapshot(caller, from_snapshot).volume.entries if from_snapshot else None
+        return _info(self._volumes.create(name, caller.team, entries=entries))
+
+    def snapshot(self, caller: Caller, volume_id: str) -> m.VolumeSnapshot:
+        """Keep the volume as it is now; counted in `team_max_stored` only by
+        what it holds that the volume no longer does."""
+        return _snapshot_info(self._volumes.snapshot(self._own(caller, volume_id).id))
+
+    def snapshots(self, caller: Caller, volume_id: str) -> list[m.VolumeSnapshot]:
+        volume = self._own(caller, volume_id)
+        return [_snapshot_info(s) for s in self._volumes.snapshots() if s.source == volume.id]
+
+    def delete_snapshot(self, caller: Caller, snapshot_id: str) -> None:
+        self._volumes.delete_snapshot(self._own_snapshot(caller, snapshot_id).id)
+
+    def _own_snapshot(self, caller: Caller, snapshot_id: str) -> VolumeSnapshot:
+        snap = self._volumes.get_snapshot(snapshot_id)
+        caller.check_sees(snap.volume.owner, f"volume snapshot {snapshot_id} not found")
+        return snap
 
     def list(self, caller: Caller) -> list[m.Volume]:
         return [m.Volume(volumeID=v.id, name=v.name) for v in self._volumes.list() if caller.sees(v.owner)]

@@ -94,7 +94,9 @@ def roots(store: Store) -> list[Name]:
     names = [Name("image", str(ref)) for ref, _manifest, _updated in store.list_refs()]
     names += [Name("template", t.name) for t in store.list_templates()]
     names += [Name("snapshot", s) for s in store.list_snapshots()]
-    names += [Name("layer", layer) for volume in Volumes(store.backend).list(strict=True) for layer in volume.layers()]
+    volumes = Volumes(store.backend)
+    names += [Name("layer", layer) for volume in volumes.list(strict=True) for layer in volume.layers()]
+    names += [Name("layer", layer) for snap in volumes.snapshots(strict=True) for layer in snap.volume.layers()]
     return names
 
 

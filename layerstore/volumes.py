@@ -12,11 +12,18 @@ and deduplicated against every image and snapshot, like any other data):
                                            "layer": "<manifest id>" (files with data),
                                            "target": "<link text>" (symlinks)}, ...}}
 
+A volume snapshot is the volume as it was, kept whole and never changed
+(its files' layers stay while it does), from which new volumes are made:
+
+    volume-snapshots/<SID>   {"v": 1, "source": "<volume id>", "taken": <unix s>,
+                              "name", "owner", "created", "entries": as the volume's (no token)}
+
 Paths are relative, normalised (`a/b.txt`; the root is "" and has no
 entry), and every entry's parent directory has one. A change is a
 compare-and-swap of the whole object (`Backend.put_if`), retried a few
 times, so two writers (two requests, or two nodes sharing the store)
-never lose each other's update. GC keeps every layer a volume names.
+never lose each other's update. GC keeps every layer a volume or a volume
+snapshot names.
 """
 
 from __future__ import annotations
@@ -39,11 +46,13 @@ from .importer import import_image
 from .store import Store
 
 VOLUME_PREFIX = "volumes/"
+SNAPSHOT_PREFIX = "volume-snapshots/"
 MAX_ENTRIES = 100_000  # files and directories in one volume (its index is read and written whole)
 MAX_PATH, MAX_PART = 4096, 255
 CAS_TRIES = 16
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # E2B's pattern, with a length cap
 _ID_RE = re.compile(r"vol[0-9a-f]{16}")
+_SNAPSHOT_RE = re.compile(r"vs[0-9a-f]{16}")
 FILE, DIRECTORY, SYMLINK = "file", "directory", "symlink"
 
 
@@ -94,6 +103,37 @@ class Volume:
                 "entries": {p: {k: v for k, v in asdict(e).items() if v is not None}
                             for p, e in sorted(self.entries.items())}}
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class VolumeSnapshot:
+    id: str
+    source: str  # the volume it was taken of
+    taken: float
+    volume: Volume  # its name, owner and entries then (token blank)
+
+    def encode(self) -> bytes:
+        body = json.loads(self.volume.encode())
+        del body["token"]
+        body.update(source=self.source, taken=self.taken)
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def check_snapshot_id(text: str) -> str:
+    """A volume snapshot id from a user; NotFound for text that cannot be one."""
+    if not isinstance(text, str) or not _SNAPSHOT_RE.fullmatch(text):
+        raise NotFound(f"volume snapshot {text!r} not found")
+    return text
+
+
+def parse_snapshot(snapshot_id: str, blob: bytes) -> VolumeSnapshot:
+    try:
+        data = json.loads(blob)
+        source, taken = check_volume_id(data.pop("source")), float(data.pop("taken"))
+        volume = parse_volume(source, json.dumps({**data, "token": ""}).encode())
+        return VolumeSnapshot(snapshot_id, source, taken, volume)
+    except (ValueError, KeyError, TypeError, AttributeError, NotFound) as exc:
+        raise CorruptObject(f"volume snapshot {snapshot_id} is malformed: {exc}") from None
 
 
 def new_volume_id() -> str:
@@ -157,12 +197,13 @@ class Volumes:
         self._locks: dict[str, threading.Lock] = {}  # volume id -> this process's writers take turns
         self._guard = threading.Lock()
 
-    def create(self, name: str, owner: str) -> Volume:
-        """A new empty volume; Conflict if `owner` already has one of that name."""
+    def create(self, name: str, owner: str, *, entries: dict[str, Entry] | None = None) -> Volume:
+        """A new volume, empty or holding `entries` (a snapshot's); Conflict
+        if `owner` already has one of that name."""
         check_volume_name(name)
         if any(v.name == name and v.owner == owner for v in self.list()):
             raise Conflict(f"volume {name} already exists")
-        volume = Volume(new_volume_id(), name, owner, time.time(), secrets.token_hex(32))
+        volume = Volume(new_volume_id(), name, owner, time.time(), secrets.token_hex(32), dict(entries or {}))
         if self._backend.put_new(VOLUME_PREFIX + volume.id, volume.encode()) is None:
             raise Conflict(f"volume id {volume.id} is taken: try again")
         return volume
@@ -194,6 +235,40 @@ class Volumes:
         volume = self.get(volume_id)
         self._backend.delete(VOLUME_PREFIX + volume.id)
         return volume
+
+    def snapshot(self, volume_id: str) -> VolumeSnapshot:
+        """Keep the volume as it is now, whole (later changes do not touch it)."""
+        volume = self.get(volume_id)
+        snap = VolumeSnapshot("vs" + secrets.token_hex(8), volume.id, time.time(), replace(volume, token=""))
+        if self._backend.put_new(SNAPSHOT_PREFIX + snap.id, snap.encode()) is None:
+            raise Conflict(f"volume snapshot id {snap.id} is taken: try again")
+        return snap
+
+    def get_snapshot(self, snapshot_id: str) -> VolumeSnapshot:
+        key = SNAPSHOT_PREFIX + check_snapshot_id(snapshot_id)
+        try:
+            return parse_snapshot(snapshot_id, self._backend.get(key))
+        except NotFound:
+            raise NotFound(f"volume snapshot {snapshot_id} not found") from None
+
+    def snapshots(self, *, strict: bool = False) -> list[VolumeSnapshot]:
+        """Every volume snapshot, oldest first; a malformed one is left out,
+        or with `strict` (GC) raised."""
+        out = []
+        for info in self._backend.list(SNAPSHOT_PREFIX):
+            try:
+                out.append(self.get_snapshot(info.key[len(SNAPSHOT_PREFIX):]))
+            except NotFound:
+                continue
+            except CorruptObject:
+                if strict:
+                    raise
+        return sorted(out, key=lambda s: (s.taken, s.id))
+
+    def delete_snapshot(self, snapshot_id: str) -> VolumeSnapshot:
+        snap = self.get_snapshot(snapshot_id)
+        self._backend.delete(SNAPSHOT_PREFIX + snap.id)
+        return snap
 
     def change(self, volume_id: str, edit: Callable[[Volume], Volume]) -> Volume:
         """Apply `edit` to the current volume and publish the result if

@@ -301,3 +301,27 @@ def test_the_js_sdk_mounts_and_snapshots(sandbox_sdk: type, node: NodeServer) ->
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert seen == {"seed": "from the JS API\n", "guest": "from-js-guest\n", "child": "from-js-guest\n",
                     "deleted": True, "deletedAgain": False, "destroyed": True}
+
+
+def test_volume_snapshots(sdk: type, node: NodeServer) -> None:
+    """Strata's volume snapshots: the volume as it was, a new volume started
+    from it, another team's as missing (list, use, delete)."""
+    vol = sdk.create("snapped")
+    vol.write_file("/f.txt", "one")
+    alpha, beta = client(node, ALPHA), client(node, BETA)
+    r = alpha.post(f"/volumes/{vol.volume_id}/snapshots")
+    assert r.status_code == 201, r.text
+    snap = r.json()
+    vol.write_file("/f.txt", "two", force=True)
+    assert [s["snapshotID"] for s in alpha.get(f"/volumes/{vol.volume_id}/snapshots").json()] == [snap["snapshotID"]]
+    r = alpha.post("/volumes", json={"name": "restored", "fromSnapshot": snap["snapshotID"]})
+    assert r.status_code == 201, r.text
+    assert sdk.connect(r.json()["volumeID"]).read_file("/f.txt") == "one"
+    assert vol.read_file("/f.txt") == "two"
+    assert beta.get(f"/volumes/{vol.volume_id}/snapshots").status_code == 404
+    assert beta.post("/volumes", json={"name": "stolen", "fromSnapshot": snap["snapshotID"]}).status_code == 404
+    assert beta.delete(f"/volume-snapshots/{snap['snapshotID']}").status_code == 404
+    assert "stolen" not in beta.get("/volumes").text
+    assert alpha.delete(f"/volume-snapshots/{snap['snapshotID']}").status_code == 204
+    assert alpha.delete(f"/volume-snapshots/{snap['snapshotID']}").status_code == 404
+    assert alpha.post("/volumes", json={"name": "late", "fromSnapshot": "vs../x"}).status_code == 404

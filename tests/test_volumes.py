@@ -159,3 +159,34 @@ def test_a_volume_is_copied_with_its_files_and_kept_there(store: Store, tmp_path
     assert b"".join(read_bytes(other, Volumes(other.backend).get(vid).entry("a/f"))) == data
     assert copy(store, other, vid).chunks_sent == 0  # again: nothing new to send
     other.close()
+
+
+def test_a_snapshot_keeps_the_volume_as_it_was_and_gc_keeps_its_files(store: Store, tmp_path: Path) -> None:
+    """A volume snapshot is unchanged by later edits, starts new volumes with
+    its files (their layers shared), keeps those layers through GC after
+    the volume is gone, and a garbled one stops GC."""
+    vols = Volumes(store.backend)
+    vol = vols.create("data", "alpha")
+    kept = file_entry(store, tmp_path, b"version one" * 1000)
+    vols.change(vol.id, lambda v: put_entry(v, "f", kept, parents=True, replace_file=True))
+    snap = vols.snapshot(vol.id)
+    vols.change(vol.id, lambda v: put_entry(v, "f", file_entry(store, tmp_path, b"two"), parents=True,
+                                            replace_file=True))
+    assert vols.get_snapshot(snap.id).volume.entry("f") == kept
+    assert [s.id for s in vols.snapshots()] == [snap.id] and snap.source == vol.id and snap.volume.token == ""
+    copy = vols.create("copy", "alpha", entries=vols.get_snapshot(snap.id).volume.entries)
+    assert copy.id != vol.id and copy.entry("f").layer == kept.layer and copy.token
+    vols.delete(vol.id)
+    vols.delete(copy.id)
+    for i in range(2):
+        gc.collect(store, grace=0, now=time.time() + 10 + i)
+    assert b"".join(read_bytes(store, vols.get_snapshot(snap.id).volume.entry("f"))) == b"version one" * 1000
+    with pytest.raises(NotFound):
+        vols.get_snapshot("vs../../x")
+    store.backend.put("volume-snapshots/vs0000000000000000", b"{not json")
+    with pytest.raises(CorruptObject):
+        gc.collect(store, grace=0, now=time.time() + 20)
+    assert [s.id for s in vols.snapshots()] == [snap.id]  # the garbled one is left out of listings
+    vols.delete_snapshot(snap.id)
+    with pytest.raises(NotFound):
+        vols.get_snapshot(snap.id)

@@ -39,7 +39,26 @@ def list_volumes(node: NodeDep, caller: CallerDep) -> list[m.Volume]:
 
 @router.post("/volumes", status_code=201, response_model=m.VolumeAndToken)
 def create_volume(body: m.NewVolume, node: NodeDep, caller: CallerDep) -> m.VolumeAndToken:
-    return node.volumes.create(caller, body.name)
+    return node.volumes.create(caller, body.name, from_snapshot=body.fromSnapshot)
+
+
+@router.post("/volumes/{volumeID}/snapshots", status_code=201, response_model=m.VolumeSnapshot,
+             summary="Strata: keep the volume as it is now (POST /volumes with fromSnapshot starts a new one from it)")
+def snapshot_volume(volumeID: str, node: NodeDep, caller: CallerDep) -> m.VolumeSnapshot:
+    return node.volumes.snapshot(caller, volumeID)
+
+
+@router.get("/volumes/{volumeID}/snapshots", response_model=list[m.VolumeSnapshot],
+            summary="Strata: the volume's snapshots, oldest first")
+def volume_snapshots(volumeID: str, node: NodeDep, caller: CallerDep) -> list[m.VolumeSnapshot]:
+    return node.volumes.snapshots(caller, volumeID)
+
+
+@router.delete("/volume-snapshots/{snapshotID}", status_code=204,
+               summary="Strata: delete a volume snapshot (its files' data stays while anything else names it)")
+def delete_volume_snapshot(snapshotID: str, node: NodeDep, caller: CallerDep) -> Response:
+    node.volumes.delete_snapshot(caller, snapshotID)
+    return Response(status_code=204)
 
 
 @router.get("/volumes/{volumeID}", response_model=m.VolumeAndToken)
