@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from typing import Annotated, Literal
+from uuid import UUID
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
@@ -352,12 +353,12 @@ class DeleteTemplateTags(Lenient):
 
 class AssignedTemplateTags(Reply):
     tags: list[str]
-    buildID: str = Field(description="a UUID naming what the tags point at (tags of one image or snapshot share it)")
+    buildID: UUID = Field(description="a UUID naming what the tags point at (tags of one image or snapshot share it)")
 
 
 class TemplateTag(Reply):
     tag: str
-    buildID: str
+    buildID: UUID
     createdAt: datetime
 
 

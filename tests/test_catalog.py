@@ -248,7 +248,7 @@ def test_template_tags_name_one_template_and_stay_their_teams(world: World) -> N
     assert world.store.get_template("base:prod").target == "base:v1"
     tags = {t.tag: t.buildID for t in cat.tags(ALPHA, "base")}
     assert set(tags) == {"default", "v1", "prod", "stable"} and len(set(tags.values())) == 1
-    assert str(assigned.buildID) == tags["prod"]
+    assert assigned.buildID == tags["prod"]
     with pytest.raises(NotFound):
         cat.assign_tags(BETA, "base:v1", ["mine"])
     with pytest.raises(NotFound):

@@ -51,6 +51,7 @@ from tests.test_e2b_spec import DEVIATES, STRATA_ONLY, Shape, _json_schema, _ope
 
 SUCCESS = ("200", "201", "202", "204")
 SAMPLE_TIME = "2025-01-01T00:00:00Z"
+SAMPLE_UUID = "00000000-0000-4000-8000-000000000000"
 
 # The SDK's sandbox operations that Strata does not serve (yet).
 NOT_YET: dict[tuple[str, str], str] = {
@@ -200,7 +201,7 @@ def sample(doc: dict, schema: dict, depth: int = 0, nulls: bool = False) -> obje
     if kind == "array":
         return [sample(doc, s.items, depth + 1, nulls)] if s.items is not None else []
     if kind == "string":
-        return {"date-time": SAMPLE_TIME, "date": SAMPLE_TIME[:10]}.get(s.format, "x")
+        return {"date-time": SAMPLE_TIME, "date": SAMPLE_TIME[:10], "uuid": SAMPLE_UUID}.get(s.format, "x")
     return {"integer": 1, "number": 1.5, "boolean": True}[kind]
 
 

@@ -40,6 +40,10 @@ STRATA_ONLY: dict[tuple[str, str], str] = {
     ("GET", "/snapshots/{snapshotID}"): "inspect a snapshot's layers and stored size; E2B has no such view",
     ("DELETE", "/snapshots/{snapshotID}"): "E2B deletes a snapshot as a template (DELETE /templates/{templateID}, "
                                            "which Strata serves too); this one refuses while a name still needs it",
+    ("POST", "/volumes/{volumeID}/snapshots"): "volume snapshots: E2B has none (a volume kept whole, new volumes "
+                                                "started from it)",
+    ("GET", "/volumes/{volumeID}/snapshots"): "volume snapshots: Strata's own",
+    ("DELETE", "/volume-snapshots/{snapshotID}"): "volume snapshots: Strata's own",
     ("GET", "/images"): "raw images imported into the store: Strata's own",
     ("GET", "/images/{ref}"): "raw images: Strata's own",
     ("PUT", "/images/{ref}"): "raw images: Strata's own",
