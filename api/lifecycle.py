@@ -160,8 +160,12 @@ class Lifecycle:
                                       kind=BUILD)
 
     def start_pooled(self, template: str) -> SandboxRecord:
-        return self.start_sandbox(self.source(template), sid=new_sid(), metadata={}, timeout=None, auto_pause=False,
-                                  kind=POOL)
+        """A warm pool's sandbox: any team may take it, so never one whose
+        template has volumes mounted (they are one team's)."""
+        source = self.source(template)
+        if source.kind != "image" and snapshot_volumes(self.store.get_snapshot(source.target)):
+            raise InvalidInput(f"template {template} has volumes mounted: it is not kept in a warm pool")
+        return self.start_sandbox(source, sid=new_sid(), metadata={}, timeout=None, auto_pause=False, kind=POOL)
 
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,

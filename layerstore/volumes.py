@@ -136,6 +136,10 @@ def parse_snapshot(snapshot_id: str, blob: bytes) -> VolumeSnapshot:
         raise CorruptObject(f"volume snapshot {snapshot_id} is malformed: {exc}") from None
 
 
+class VolumeFull(InvalidInput):
+    """A change would take a volume past MAX_ENTRIES."""
+
+
 def new_volume_id() -> str:
     return "vol" + secrets.token_hex(8)
 
@@ -283,7 +287,7 @@ class Volumes:
                 volume, version = self._read(volume_id)
                 changed = edit(volume)
                 if len(changed.entries) > MAX_ENTRIES:
-                    raise InvalidInput(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
+                    raise VolumeFull(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
                 if self._backend.put_if(VOLUME_PREFIX + volume.id, changed.encode(), version) is not None:
                     return changed
                 time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))

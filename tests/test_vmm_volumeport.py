@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import select
 import socket
 import threading
 from pathlib import Path
@@ -207,3 +208,44 @@ def test_a_line_over_the_limit_ends_the_connection_not_the_port(served):
     assert guest.ok("stat", vid, path="")["attr"]["type"] == "directory"
     port.close()
     assert not port.alive()
+
+
+def test_a_writer_of_a_name_removed_or_replaced_publishes_nothing_over_it(served):
+    store, volumes, vid, _, guest, _ = served
+    guest.ok("create", vid, path="log", mode=0o644, fh=1)
+    guest.ok("write", vid, b"old writer", fh=1, path="log", off=0)
+    guest.ok("create", vid, path="log.new", mode=0o644, fh=2)
+    guest.ok("write", vid, b"new file", fh=2, path="log.new", off=0)
+    guest.ok("release", vid, fh=2, path="log.new")
+    guest.ok("rename", vid, path="log.new", to="log")  # replaces the file fh 1 still writes
+    guest.ok("write", vid, b"!", fh=1, path="log", off=10)  # an unlinked open file takes writes...
+    guest.ok("release", vid, fh=1, path="log")  # ...and publishes nothing
+    assert b"".join(read_bytes(store, volumes.get(vid).entry("log"))) == b"new file"
+    guest.ok("create", vid, path="tmp", mode=0o644, fh=3)
+    guest.ok("unlink", vid, path="tmp")
+    guest.ok("write", vid, b"scratch", fh=3, path="tmp", off=0)
+    guest.ok("release", vid, fh=3, path="tmp")
+    assert "tmp" not in volumes.get(vid).entries  # not brought back
+    assert guest.call("write", vid, b"late", fh=3, path="tmp", off=0)[0]["errno"] == errno.EBADF
+
+
+def test_metadata_no_reader_could_hold_is_refused(served):
+    _, volumes, vid, _, guest, port = served
+    guest.ok("create", vid, path="f", mode=0o644, fh=1)
+    before = volumes.get(vid).encode()
+    for fields in ({"uid": -1}, {"gid": 1 << 40}, {"mode": 0o100644}, {"mtime": 1e300}, {"mtime": -5}):
+        assert guest.call("setattr", vid, path="f", **fields)[0]["errno"] == errno.EINVAL, fields
+    guest.conn.sendall(b'{"id": 900, "op": "setattr", "vol": "' + vid.encode() + b'", "path": "f", "mtime": NaN}\n')
+    assert guest.reply()[0] == {"id": 900, "errno": errno.EINVAL}
+    guest.conn.sendall(b"[" * 60000 + b"\n")  # nesting json cannot parse: not a request, the port goes on
+    assert guest.ok("stat", vid, path="f")["attr"]["size"] == 0
+    assert volumes.get(vid).encode() == before and port.alive()
+
+
+def test_a_held_port_runs_nothing_until_released(served):
+    _, _, vid, _, guest, port = served
+    with port.held(timeout=5):
+        rid = guest.send("stat", vid, path="")
+        assert select.select([guest.conn], [], [], 0.5)[0] == []  # no answer while held
+    reply, _ = guest.reply()
+    assert reply["id"] == rid and reply["errno"] == 0

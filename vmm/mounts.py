@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from layerstore.store import Store
@@ -64,12 +65,21 @@ class VolumeMounts:
         for volume_id in set(record.volumes.values()) - set(files):
             files[volume_id] = self._files(record, workdir, volume_id)
 
-    def publish(self, sid: str) -> None:
-        """Publish what the guest wrote to files it has open (before a snapshot)."""
+    @contextmanager
+    def quiesced(self, sid: str) -> Iterator[None]:
+        """For a snapshot of a paused VM: no volume request runs (those in
+        flight finish), what the guest wrote to files it has open is
+        published, and the port stays still until the block ends (after
+        the capture, and the resume if any)."""
         with self._lock:
             held = self._ports.get(sid)
-        for files in (held[1].values() if held else ()):
-            files.publish_all()
+        if held is None:
+            yield
+            return
+        with held[0].held():
+            for files in held[1].values():
+                files.publish_all()
+            yield
 
     def stop(self, sid: str) -> None:
         with self._lock:
@@ -86,9 +96,11 @@ class VolumeMounts:
             self._replies.pop(sid, None)
 
     def _start(self, record: SandboxRecord, workdir: Path) -> None:
-        files = {v: self._files(record, workdir, v) for v in set(record.volumes.values())}
         with self._lock:
             replies = self._replies.setdefault(record.sid, Replies())
+            old = self._ports.get(record.sid)
+        files = dict(old[1]) if old is not None else {}  # a port that ended: its staged files go on
+        files.update({v: self._files(record, workdir, v) for v in set(record.volumes.values()) - set(files)})
         port = VolumePort(workdir / SOCKET, files, replies, name=record.sid).start()
         with self._lock:
             old = self._ports.pop(record.sid, None)

@@ -110,7 +110,9 @@ class Sandboxes(Machines):
             kernel, initrd = self.boot_files.of_record(record)
             spec = VmSpec(kernel=kernel, initrd=initrd, disk=self.paths.sandbox(sid),
                           workdir=self.registry.workdir(sid), memory_mib=record.memory_mib, cmdline=DEFAULT_CMDLINE,
-                          memory_file=self._memory_path(sid))
+                          memory_file=self._memory_path(sid), volume_port=self.backend.volume_port)
+            self.volumes.forget(sid)
+            record.volume_port, record.volumes = self.backend.volume_port, {}  # a cold boot: no mounts
             self.client.create_disk(memory_sid(sid), manifest=self.boot_files.zero_memory(record.memory_mib), volatile=True)
             started = time.monotonic()
             if record.network is not None:
@@ -133,6 +135,7 @@ class Sandboxes(Machines):
             if record.last_snapshot is None:
                 raise Conflict(f"sandbox {sid} has no snapshot to go back to")
             self._stop(sid)
+            self.volumes.forget(sid)  # the guest goes back in time: its request ids with it
             record.state, record.pid, record.operation, record.suspended_at = "suspended", None, "", time.time()
             record.recovered = _note(reason)
             self.registry.save(record)
@@ -201,10 +204,10 @@ class Sandboxes(Machines):
         paused = time.monotonic()
         sandbox.vm.pause()
         try:
-            self.volumes.publish(sid)  # what the guest wrote to files it has open: for a restore elsewhere
-            timings.update(self.snapshots.capture(sid, sandbox.vm, sandbox.workdir))
-            if resume:  # the sealed generations are frozen: the guest writes to new ones while they publish
-                sandbox.vm.resume()
+            with self.volumes.quiesced(sid):  # files the guest has open are published, for a restore elsewhere
+                timings.update(self.snapshots.capture(sid, sandbox.vm, sandbox.workdir))
+                if resume:  # the sealed generations are frozen: the guest writes to new ones while they publish
+                    sandbox.vm.resume()
             timings["paused"] = time.monotonic() - paused
             snapshot_id = self.snapshots.publish(record, sandbox.workdir, implicit, timings)
         except BaseException:
@@ -320,6 +323,7 @@ class Sandboxes(Machines):
         with self._locked(sid):
             if self.registry.load(sid).state != "suspended":
                 raise Conflict(f"sandbox {sid} is not paused: only a paused sandbox moves between nodes")
+            self.volumes.forget(sid)
             self.registry.remove(sid)
 
     def fork(self, sid: str, count: int, *, names: list[str] | None = None, workers: int | None = None,

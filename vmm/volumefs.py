@@ -22,6 +22,7 @@ other sandboxes, other nodes) and at once after this node's own changes.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import threading
@@ -35,10 +36,14 @@ from posixpath import basename, dirname
 
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.store import Store
-from layerstore.volumes import (DIRECTORY, FILE, MAX_ENTRIES, SYMLINK, Entry, Volume, Volumes, check_path,
-                                put_entry, read_bytes, remove, store_bytes)
+from layerstore.volumes import (DIRECTORY, FILE, MAX_ENTRIES, SYMLINK, Entry, Volume, VolumeFull, Volumes,
+                                check_path, put_entry, read_bytes, remove, store_bytes)
+
+log = logging.getLogger("strata.vmm.volumes")
 
 MAX_READ = 1 << 20  # bytes one read may ask for
+MAX_LISTED = 20_000  # entries one directory listing answers (the guest takes a reply of at most 4 MiB)
+MAX_OPEN = 1024  # files one sandbox has open for writing in one volume
 CACHED_CHUNKS = 16  # decoded chunks kept (1 MiB each by default)
 CACHED_MAPS = 32  # layers whose chunk maps are kept
 
@@ -53,8 +58,10 @@ def errno_of(exc: BaseException) -> int:
         return exc.errno
     if isinstance(exc, NotFound):
         return errno.ENOENT
-    if isinstance(exc, Conflict):
-        return errno.EEXIST
+    if isinstance(exc, Conflict):  # (names in the way are EEXIST from the edits below)
+        return errno.EAGAIN  # the volume changed too fast for the compare-and-swap
+    if isinstance(exc, VolumeFull):
+        return errno.ENOSPC
     if isinstance(exc, InvalidInput):
         return errno.EINVAL
     return errno.EIO
@@ -88,6 +95,7 @@ class Staged:
     file: Path
     dirty: bool = False  # written since it was staged or last published
     base: str | None = None  # the published layer it holds when clean (None: empty)
+    orphan: bool = False  # its name was removed or replaced meanwhile: what it holds is never published
 
 
 class VolumeFiles:
@@ -106,6 +114,7 @@ class VolumeFiles:
         self._index: tuple[float, Volume] | None = None
         self._staged: dict[int, Staged] = {}
         self._fh_locks: dict[int, threading.Lock] = {}
+        self._released: OrderedDict[int, None] = OrderedDict()  # recent fhs closed: a late repeat of a write is EBADF
         self._chunks: OrderedDict[str, bytes] = OrderedDict()
         self._maps: OrderedDict[str, tuple[int, int, dict[int, str], dict]] = OrderedDict()
 
@@ -137,7 +146,7 @@ class VolumeFiles:
 
     def _staged_for(self, path: str) -> Staged | None:
         with self._lock:
-            return next((s for s in self._staged.values() if s.path == path and s.dirty), None)
+            return next((s for s in self._staged.values() if s.path == path and s.dirty and not s.orphan), None)
 
     # reads -------------------------------------------------------------------------------------
     def stat(self, path: str) -> dict[str, object]:
@@ -147,6 +156,8 @@ class VolumeFiles:
         volume = self.volume()
         if volume.entry(path).type != DIRECTORY:
             raise fail(errno.ENOTDIR)
+        if len(volume.children(path)) > MAX_LISTED:
+            raise fail(errno.EFBIG, f"a directory of more than {MAX_LISTED} entries cannot be listed on the mount")
         return {"entries": [{"name": basename(p), "attr": self._attr(p, volume.entries[p])}
                             for p in volume.children(path)]}
 
@@ -243,6 +254,7 @@ class VolumeFiles:
                 raise fail(errno.EISDIR)
             return remove(volume, path)
         self._change(edit)
+        self._orphan(path)
         return {}
 
     def rmdir(self, path: str) -> dict[str, object]:
@@ -259,11 +271,19 @@ class VolumeFiles:
 
     def rename(self, path: str, to: str, *, noreplace: bool) -> dict[str, object]:
         self._change(lambda v: _moved(v, path, to, noreplace=noreplace))
+        if to != path:
+            self._orphan(to)  # the file it replaced: its open writers write to nothing now
         with self._lock:
             for staged in self._staged.values():
                 if staged.path == path or staged.path.startswith(path + "/"):
                     staged.path = to + staged.path[len(path):]
         return {}
+
+    def _orphan(self, path: str) -> None:
+        with self._lock:
+            for staged in self._staged.values():
+                if staged.path == path or staged.path.startswith(path + "/"):
+                    staged.orphan = True
 
     def set_attr(self, path: str, *, fh: int | None, mode: int | None, uid: int | None, gid: int | None,
                  size: int | None, mtime: float | None) -> dict[str, object]:
@@ -307,12 +327,15 @@ class VolumeFiles:
         return {"size": len(data)}
 
     def flush(self, fh: int, path: str) -> dict[str, object]:
-        with self._held(fh):
-            with self._lock:
-                staged = self._staged.get(fh)
-            if staged is not None and staged.dirty:
-                staged.path = path
-                self._publish(staged)
+        with self._lock:
+            known = fh in self._staged
+        if known:
+            with self._held(fh):
+                with self._lock:
+                    staged = self._staged.get(fh)
+                if staged is not None and staged.dirty:
+                    self._publish(staged)
+                    path = staged.path
         try:
             return self.stat(path)
         except (NotFound, OSError):
@@ -322,11 +345,18 @@ class VolumeFiles:
         try:
             self.flush(fh, path)
         finally:
-            with self._held(fh):
-                with self._lock:
-                    self._staged.pop(fh, None)
-                    self._fh_locks.pop(fh, None)
-                self._file(fh).unlink(missing_ok=True)
+            with self._lock:
+                known = fh in self._staged
+            if known:
+                with self._held(fh):
+                    with self._lock:
+                        self._staged.pop(fh, None)
+                        self._fh_locks.pop(fh, None)
+                    self._file(fh).unlink(missing_ok=True)
+            with self._lock:
+                self._released[fh] = None
+                while len(self._released) > MAX_OPEN * 4:
+                    self._released.popitem(last=False)
         return {}
 
     def close(self) -> None:
@@ -343,33 +373,47 @@ class VolumeFiles:
             with self._held(fh):
                 with self._lock:
                     staged = self._staged.get(fh)
-                if staged is not None and staged.dirty:
+                if staged is None or not staged.dirty:
+                    continue
+                try:
                     self._publish(staged)
+                except (OSError, StrataError) as exc:  # stays staged; the guest's own close reports it
+                    log.warning("volume %s: /%s not published before a snapshot: %s", self.volume_id,
+                                staged.path, exc)
 
     def _truncate(self, path: str, fh: int | None, size: int) -> None:
         if size < 0:
             raise fail(errno.EINVAL)
         key = fh if fh is not None else -1 - (hash(path) & 0xFFFFFFFF)  # a private handle for truncate(2)
-        with self._held(key):
-            staged = self._stage(key, path)
-            grow = size - staged.file.stat().st_size
-            if grow > 0:
-                self._check_room(grow)
-            os.truncate(staged.file, size)
-            staged.dirty = True
-            if fh is None:
-                self._publish(staged)
-        if fh is None:
-            self.release(key, path)
+        try:
+            with self._held(key):
+                staged = self._stage(key, path)
+                grow = size - staged.file.stat().st_size
+                if grow > 0:
+                    self._check_room(grow)
+                os.truncate(staged.file, size)
+                staged.dirty = True
+                if fh is None:
+                    self._publish(staged)
+        finally:
+            if fh is None:  # truncate(2) is done (or failed) here: nothing of it stays staged
+                with self._lock:
+                    self._staged.pop(key, None)
+                    self._fh_locks.pop(key, None)
+                self._file(key).unlink(missing_ok=True)
 
     def _stage(self, fh: int, path: str) -> Staged:
         """The staging of `fh`, made from the published file when the node
         has none (first write, or a node that restarted, or a fork)."""
         with self._lock:
             staged = self._staged.get(fh)
+            if fh in self._released:
+                raise fail(errno.EBADF, "that file was closed")
         entry = None
         if staged is not None:
-            staged.path = path
+            if staged.orphan:  # written on, as an unlinked open file is, and never published
+                return staged
+            path = staged.path  # the node follows renames itself; the guest's may be an unlinked name
             if staged.dirty:
                 return staged
             entry = self._entry(path)
@@ -379,6 +423,9 @@ class VolumeFiles:
         entry = entry or self._entry(path)
         if entry.type != FILE:
             raise fail(errno.EISDIR if entry.type == DIRECTORY else errno.EINVAL)
+        with self._lock:
+            if fh not in self._staged and len(self._staged) >= MAX_OPEN:
+                raise fail(errno.EMFILE, f"at most {MAX_OPEN} files of a volume are open for writing at once")
         self._check_room(entry.size)
         staged = Staged(path, self._file(fh), base=entry.layer)
         self._staging_dir.mkdir(parents=True, exist_ok=True)
@@ -390,6 +437,9 @@ class VolumeFiles:
         return staged
 
     def _publish(self, staged: Staged) -> None:
+        if staged.orphan:
+            staged.dirty = False
+            return
         size = staged.file.stat().st_size
         if self._check_stored is not None:
             try:

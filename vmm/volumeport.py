@@ -27,7 +27,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,10 @@ MAX_RAW = MAX_READ
 MAX_IN_FLIGHT = 32
 WORKERS = 4
 REMEMBERED = 512  # replies to changes kept for repeats
-CHANGES = frozenset({"create", "mkdir", "symlink", "unlink", "rmdir", "rename", "setattr", "open", "flush",
-                     "release"})
+CHANGES = frozenset({"create", "mkdir", "symlink", "unlink", "rmdir", "rename", "setattr", "open", "write",
+                     "flush", "release"})
+MAX_ID = (1 << 32) - 1  # uid, gid
+MAX_TIME = 1 << 34  # seconds: a time past year 2514 is a guest's mistake
 
 
 class Replies:
@@ -97,6 +101,23 @@ class VolumePort:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @contextmanager
+    def held(self, *, timeout: float = 60.0) -> Iterator[None]:
+        """No request runs while held: those in flight finish first, those
+        read meanwhile wait (a snapshot publishes exactly what the guest
+        was told is done). After `timeout` it goes on without a stuck one."""
+        taken, deadline = 0, time.monotonic() + timeout
+        try:
+            while taken < MAX_IN_FLIGHT and self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                taken += 1
+            if taken < MAX_IN_FLIGHT:
+                log.warning("sandbox %s: volume requests still running after %.0f s; snapshotting anyway",
+                            self._name, timeout)
+            yield
+        finally:
+            for _ in range(taken):
+                self._slots.release()
 
     def close(self) -> None:
         self._closed.set()
@@ -163,7 +184,7 @@ class VolumePort:
                 self._slots.acquire()
                 self._pool.submit(self._answer, request, raw, line)
             return False
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 (whatever a guest sends, the port ends cleanly and says why)
             if not self._closed.is_set():
                 log.info("sandbox %s: volume port closed: %s", self._name, exc)
             return False
@@ -238,7 +259,7 @@ class VolumePort:
 def _parse(line: bytes) -> dict[str, Any] | None:
     try:
         value = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # a guest's `[[[[...` is just not a request
         return None
     return value if isinstance(value, dict) else None
 
@@ -258,12 +279,27 @@ def _opt(r: dict[str, Any], name: str) -> int | None:
     return None if r.get(name) is None else _int(r, name)
 
 
+def _id(r: dict[str, Any], name: str, default: int | None = 0) -> int | None:
+    """A uid or gid: 0 .. 2^32-1 (what every reader of the volume can hold)."""
+    value = _opt(r, name) if default is None else _int(r, name, default)
+    if value is not None and not 0 <= value <= MAX_ID:
+        raise fail(errno.EINVAL, f"{name} must be 0..{MAX_ID}")
+    return value
+
+
+def _mode(r: dict[str, Any], name: str = "mode", default: int | None = None) -> int | None:
+    value = _opt(r, name) if default is None else _int(r, name, default)
+    if value is not None and not 0 <= value <= 0o7777:
+        raise fail(errno.EINVAL, "mode is permission bits (0..0o7777)")
+    return value
+
+
 def _mtime(r: dict[str, Any]) -> float | None:
     value = r.get("mtime")
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise fail(errno.EINVAL, "mtime must be a number")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_TIME:
+        raise fail(errno.EINVAL, f"mtime must be a number of seconds 0..{MAX_TIME}")
     return float(value)
 
 
@@ -272,17 +308,18 @@ _HANDLERS: dict[str, Handler] = {
     "stat": lambda f, p, r, raw: f.stat(p),
     "list": lambda f, p, r, raw: f.list(p),
     "read": lambda f, p, r, raw: f.read(p, _int(r, "off"), _int(r, "len")),
-    "create": lambda f, p, r, raw: f.create(p, _int(r, "mode", 0o644), _int(r, "uid", 0), _int(r, "gid", 0),
-                                           _int(r, "fh")),
+    "create": lambda f, p, r, raw: f.create(p, _mode(r, default=0o644), _id(r, "uid"),  # type: ignore[arg-type]
+                                           _id(r, "gid"), _int(r, "fh")),
     "open": lambda f, p, r, raw: f.open(p, _int(r, "fh"), trunc=bool(r.get("trunc"))),
     "write": lambda f, p, r, raw: f.write(_int(r, "fh"), p, _int(r, "off"), raw),
     "flush": lambda f, p, r, raw: f.flush(_int(r, "fh"), p),
     "release": lambda f, p, r, raw: f.release(_int(r, "fh"), p),
-    "setattr": lambda f, p, r, raw: f.set_attr(p, fh=_opt(r, "fh"), mode=_opt(r, "mode"), uid=_opt(r, "uid"),
-                                               gid=_opt(r, "gid"), size=_opt(r, "size"), mtime=_mtime(r)),
-    "mkdir": lambda f, p, r, raw: f.make_dir(p, _int(r, "mode", 0o755), _int(r, "uid", 0), _int(r, "gid", 0)),
-    "symlink": lambda f, p, r, raw: f.symlink(p, r.get("target"), _int(r, "uid", 0),  # type: ignore[arg-type]
-                                              _int(r, "gid", 0)),
+    "setattr": lambda f, p, r, raw: f.set_attr(p, fh=_opt(r, "fh"), mode=_mode(r), uid=_id(r, "uid", None),
+                                               gid=_id(r, "gid", None), size=_opt(r, "size"), mtime=_mtime(r)),
+    "mkdir": lambda f, p, r, raw: f.make_dir(p, _mode(r, default=0o755), _id(r, "uid"),  # type: ignore[arg-type]
+                                             _id(r, "gid")),
+    "symlink": lambda f, p, r, raw: f.symlink(p, r.get("target"), _id(r, "uid"),  # type: ignore[arg-type]
+                                              _id(r, "gid")),
     "unlink": lambda f, p, r, raw: f.unlink(p),
     "rmdir": lambda f, p, r, raw: f.rmdir(p),
     "rename": lambda f, p, r, raw: f.rename(p, guest_path(r.get("to")), noreplace=bool(r.get("noreplace"))),
