@@ -249,3 +249,12 @@ def test_a_held_port_runs_nothing_until_released(served):
         assert select.select([guest.conn], [], [], 0.5)[0] == []  # no answer while held
     reply, _ = guest.reply()
     assert reply["id"] == rid and reply["errno"] == 0
+
+
+def test_an_mtime_set_after_the_last_write_survives_the_close(served):
+    _, volumes, vid, _, guest, _ = served
+    guest.ok("create", vid, path="copied", mode=0o644, fh=1)
+    guest.ok("write", vid, b"data", fh=1, path="copied", off=0)
+    guest.ok("setattr", vid, path="copied", fh=1, mtime=1_000_000_000.5)  # cp -p: futimens before close
+    guest.ok("release", vid, fh=1, path="copied")
+    assert volumes.get(vid).entry("copied").mtime == 1_000_000_000.5

@@ -96,6 +96,7 @@ class Staged:
     dirty: bool = False  # written since it was staged or last published
     base: str | None = None  # the published layer it holds when clean (None: empty)
     orphan: bool = False  # its name was removed or replaced meanwhile: what it holds is never published
+    mtime: float | None = None  # set by the guest after its last write (`cp -p`): published as is
 
 
 class VolumeFiles:
@@ -289,6 +290,11 @@ class VolumeFiles:
                  size: int | None, mtime: float | None) -> dict[str, object]:
         if size is not None:
             self._truncate(path, fh, size)
+        if mtime is not None:
+            with self._lock:
+                for staged in self._staged.values():
+                    if staged.path == path and not staged.orphan:
+                        staged.mtime = mtime
         if (mode, uid, gid, mtime) != (None, None, None, None):
             def edit(volume: Volume) -> Volume:
                 old = volume.entry(path)
@@ -323,7 +329,7 @@ class VolumeFiles:
                 self._check_room(offset + len(data) - staged.file.stat().st_size)
             with open(staged.file, "r+b") as f:
                 os.pwrite(f.fileno(), data, offset)
-            staged.dirty = True
+            staged.dirty, staged.mtime = True, None
         return {"size": len(data)}
 
     def flush(self, fh: int, path: str) -> dict[str, object]:
@@ -453,7 +459,7 @@ class VolumeFiles:
             old = volume.entries.get(staged.path)
             if old is None or old.type != FILE:
                 return volume  # removed (or replaced) meanwhile
-            new = replace(old, size=size, layer=layer, mtime=now, ctime=now)
+            new = replace(old, size=size, layer=layer, mtime=now if staged.mtime is None else staged.mtime, ctime=now)
             return replace(volume, entries={**volume.entries, staged.path: new})
         self._change(edit)
         staged.dirty, staged.base = False, layer
