@@ -10,10 +10,7 @@ over the volume port), a volume is the same files inside and out."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -21,7 +18,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.conftest import IN_CI, needs_qemu
+from tests.conftest import needs_qemu
+from tests.js_sdk import run_js
 from tests.node_server import ADMIN_KEY, NodeServer
 
 pytestmark = needs_qemu  # a node starts its mount daemon and reads its guest directory
@@ -282,23 +280,8 @@ def test_a_snapshot_keeps_its_mounts_for_its_team_only(sdk: type, sandbox_sdk: t
 def test_the_js_sdk_mounts_and_snapshots(sandbox_sdk: type, node: NodeServer) -> None:
     """E2B's JavaScript SDK (`e2b` from npm): Volume, volumeMounts, a
     snapshot started as a template, deleteSnapshot."""
-    from tests.test_envd import JS_SDK
-
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        if IN_CI:
-            pytest.fail("node and npm are needed (deploy/setup.sh installs them)")
-        pytest.skip("node/npm not installed (apt-get install nodejs npm)")
-    if not (JS_SDK / "node_modules" / "e2b").exists():
-        subprocess.run(["npm", "install", "--prefix", str(JS_SDK), "--no-audit", "--no-fund", "e2b@2"],
-                       check=True, capture_output=True, timeout=600)
-    script = JS_SDK / "volumes.mjs"  # beside node_modules, so `import 'e2b'` finds it
-    shutil.copy(Path(__file__).parent / "js" / "volumes.mjs", script)
-    env = {**os.environ, "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url, "E2B_VOLUME_API_URL": node.url,
-           "E2B_API_KEY": ALPHA}
-    env.pop("E2B_DEBUG", None)
-    r = subprocess.run(["node", str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = run_js("volumes.mjs", {"E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url,
+                                  "E2B_VOLUME_API_URL": node.url, "E2B_API_KEY": ALPHA})
     assert seen == {"seed": "from the JS API\n", "guest": "from-js-guest\n", "child": "from-js-guest\n",
                     "deleted": True, "deletedAgain": False, "destroyed": True}
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import IN_CI, ROOT, needs_qemu
+from tests.js_sdk import run_js
 from tests.node_server import API_KEY, NodeServer
 
 pytestmark = needs_qemu
@@ -227,25 +228,10 @@ def test_a_process_survives_pause_and_resume_and_the_sandbox_reports_logs_and_me
         sbx.kill()
 
 
-JS_SDK = Path(os.environ.get("STRATA_JS_SDK_DIR", "/var/tmp/strata-js-sdk"))  # npm's e2b, installed once
-
-
 def test_the_js_sdk_from_npm(server: NodeServer) -> None:
     """The same agent loop with E2B's JavaScript SDK (`e2b` from npm, run by node)."""
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        if IN_CI:
-            pytest.fail("node and npm are needed (deploy/setup.sh installs them)")
-        pytest.skip("node/npm not installed (apt-get install nodejs npm)")
-    if not (JS_SDK / "node_modules" / "e2b").exists():
-        subprocess.run(["npm", "install", "--prefix", str(JS_SDK), "--no-audit", "--no-fund", "e2b@2"],
-                       check=True, capture_output=True, timeout=600)
-    script = JS_SDK / "agent_loop.mjs"  # beside node_modules, so `import 'e2b'` finds it
-    shutil.copy(ROOT / "tests/js/agent_loop.mjs", script)
-    env = {**os.environ, "E2B_API_URL": server.url, "E2B_SANDBOX_URL": server.url, "E2B_API_KEY": API_KEY}
-    env.pop("E2B_DEBUG", None)
-    r = subprocess.run(["node", str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = run_js("agent_loop.mjs", {"E2B_API_URL": server.url, "E2B_SANDBOX_URL": server.url,
+                                     "E2B_API_KEY": API_KEY})
     assert seen["listed"] == ["job.sh"]
     assert (seen["exitCode"], seen["stdout"], seen["stderr"]) == (4, "hello from js-agent\n", "oops\n")
     assert "tick1\ntick2\ntick3\n" in seen["streamed"]
