@@ -28,7 +28,7 @@ from vmm.agent import GuestMetrics
 from vmm.egress import Egress
 from vmm.events import LEVELS, Event
 from vmm.registry import SANDBOX, SandboxRecord, new_sid
-from vmm.sandbox import MAX_FORKS, Sandboxes, snapshot_volumes
+from vmm.sandbox import MAX_FORKS, Sandboxes
 
 from .builds import BUILD
 from .catalog import Catalog
@@ -160,12 +160,8 @@ class Lifecycle:
                                       kind=BUILD)
 
     def start_pooled(self, template: str) -> SandboxRecord:
-        """A warm pool's sandbox: any team may take it, so never one whose
-        template has volumes mounted (they are one team's)."""
-        source = self.source(template)
-        if source.kind != "image" and snapshot_volumes(self.store.get_snapshot(source.target)):
-            raise InvalidInput(f"template {template} has volumes mounted: it is not kept in a warm pool")
-        return self.start_sandbox(source, sid=new_sid(), metadata={}, timeout=None, auto_pause=False, kind=POOL)
+        return self.start_sandbox(self.source(template), sid=new_sid(), metadata={}, timeout=None, auto_pause=False,
+                                  kind=POOL)
 
     def start_sandbox(self, source: Source, *, sid: str, metadata: dict[str, str], timeout: float | None,
                       auto_pause: bool, team: str = ADMIN.team, env: dict[str, str] | None = None,
@@ -186,17 +182,18 @@ class Lifecycle:
                         user=defaults.get("user", ""))
         if source.kind != "image" and disk_mb:
             raise InvalidInput("diskSizeMB applies to sandboxes booted from an image, not restored from a snapshot")
-        if source.kind != "image":
-            self._check_volumes(source.target, team)
         if source.kind == "image":
             if disk_mb:
                 lifetime["disk_size"] = disk_mb << 20
             with self._start_turn(), self.vmm("create"):
                 return self.boxes.boot(source.target, sid=sid, memory_mib=self.config.sandbox_memory,
                                        metadata=metadata, egress=egress or self.egress(), **lifetime).record
+
+        def check_mounts(mounts: dict[str, str]) -> None:
+            self._check_volumes(mounts, team, pooled=kind == POOL)
         with self._start_turn(), self.vmm("create"):
             return self.boxes.restore(source.target, sid=sid, metadata=metadata, egress=egress or self.egress(),
-                                      **lifetime).record
+                                      check_mounts=check_mounts, **lifetime).record
 
     def _check_disk_room(self, disk_mb: int) -> None:
         """InvalidInput if a disk of `disk_mb` MiB could not be filled on
@@ -273,12 +270,16 @@ class Lifecycle:
                 self.boxes.kill(record.sid)
             raise
 
-    def _check_volumes(self, snapshot_id: str, team: str) -> None:
+    def _check_volumes(self, mounts: dict[str, str], team: str, *, pooled: bool) -> None:
         """A snapshot whose guest has volumes mounted restores with them
-        served: only for the team that owns them, and while they exist."""
-        for path, volume_id in snapshot_volumes(self.store.get_snapshot(snapshot_id)).items():
+        served: only for the team that owns them, and while they exist;
+        never into a warm pool (any team takes from it)."""
+        if mounts and pooled:
+            raise InvalidInput("this template has volumes mounted: it is not kept in a warm pool")
+        volumes = Volumes(self.store.backend)
+        for path, volume_id in mounts.items():
             try:
-                owner = Volumes(self.store.backend).get(volume_id).owner
+                owner = volumes.get(volume_id).owner
             except NotFound:
                 owner = None
             if owner != team:

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -238,11 +239,18 @@ class Sandboxes(Machines):
         self.registry.save(record)
 
     def restore(self, snapshot_id: str, *, sid: str | None = None, metadata: dict[str, str] | None = None,
-                egress: Egress | None = None, **lifetime: object) -> Sandbox:
+                egress: Egress | None = None, check_mounts: Callable[[dict[str, str]], None] | None = None,
+                **lifetime: object) -> Sandbox:
         """A new sandbox started from a snapshot, its RAM and disk served
-        lazily; with a NIC (and `egress` rules) if the snapshot's VM had one."""
+        lazily; with a NIC (and `egress` rules) if the snapshot's VM had one.
+        The snapshot's guest has the volumes mounted it had, served again:
+        `check_mounts` ({guest path: volume id}) may refuse them first
+        (which team may have which volume is the caller's to say)."""
         snap = self.store.get_snapshot(snapshot_id)
         self.snapshots.check_complete(snapshot_id, snap)
+        volumes = snapshot_volumes(snap)
+        if check_mounts is not None:
+            check_mounts(volumes)
         sid = self._new_sid(sid)
         with self._locked(sid):
             self._claim(sid)
@@ -250,7 +258,7 @@ class Sandboxes(Machines):
             record = SandboxRecord(sid, self.backend.name, f"snapshot:{snapshot_id}", memory,
                                    last_snapshot=snapshot_id, metadata=dict(metadata or {}),
                                    network=self._rules(egress, nic=bool(snap.vm.get("nic"))),
-                                   volume_port=bool(snap.vm.get("volume_port")), volumes=snapshot_volumes(snap),
+                                   volume_port=bool(snap.vm.get("volume_port")), volumes=volumes,
                                    **lifetime)  # type: ignore[arg-type]
             work = self.registry.workdir(sid)
             self.registry.save(record)
