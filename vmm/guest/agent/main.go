@@ -116,18 +116,28 @@ func waitPort(log func(string, ...any)) string {
 				}
 			}
 		}
-		names, _ := filepath.Glob("/sys/class/virtio-ports/*/name")
-		for _, n := range names {
-			if data, err := os.ReadFile(n); err == nil && strings.TrimSpace(string(data)) == portName {
-				return "/dev/" + filepath.Base(filepath.Dir(n))
-			}
+		if dev := virtioPort(portName); dev != "" {
+			return dev
 		}
 		if i == 50 {
 			classes, _ := filepath.Glob("/sys/class/*")
+			names, _ := filepath.Glob("/sys/class/virtio-ports/*/name")
 			log("no port %s yet (sysfs classes: %d, ports: %v)", portName, len(classes), names)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// virtioPort is the device of the virtio port called name, "" if none
+// shows yet (devtmpfs has no /dev/virtio-ports links: through sysfs).
+func virtioPort(name string) string {
+	names, _ := filepath.Glob("/sys/class/virtio-ports/*/name")
+	for _, n := range names {
+		if data, err := os.ReadFile(n); err == nil && strings.TrimSpace(string(data)) == name {
+			return "/dev/" + filepath.Base(filepath.Dir(n))
+		}
+	}
+	return ""
 }
 
 // writer sends control replies before stream data, so a hello is answered

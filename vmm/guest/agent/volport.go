@@ -13,9 +13,7 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"sort"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -90,14 +88,11 @@ type volEntry struct {
 	Attr *volAttr `json:"attr"`
 }
 
-// findPort names the virtio port called name (no udev: through sysfs).
+// findPort names the virtio port called name, waiting up to a second for it.
 func findPort(name string) (string, error) {
 	for i := 0; i < 20; i++ {
-		names, _ := filepath.Glob("/sys/class/virtio-ports/*/name")
-		for _, n := range names {
-			if data, err := os.ReadFile(n); err == nil && strings.TrimSpace(string(data)) == name {
-				return "/dev/" + filepath.Base(filepath.Dir(n)), nil
-			}
+		if dev := virtioPort(name); dev != "" {
+			return dev, nil
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
