@@ -57,6 +57,11 @@ def start_gateway(store: Path, work: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"the gateway did not see the node: {(work / 'gateway.log').read_text()[-2000:]}")
 
 
+def stop_gateway(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
 def bench_routing(guest: Path, work: Path, runs: int, big: int) -> dict[str, Any]:
     import httpx
     from e2b import Sandbox
@@ -93,8 +98,7 @@ def bench_routing(guest: Path, work: Path, runs: int, big: int) -> dict[str, Any
                 sbx.kill()
     finally:
         if gateway is not None:
-            gateway.send_signal(signal.SIGTERM)
-            gateway.wait(timeout=30)
+            stop_gateway(gateway)
         srv.cleanup()
     return rows
 

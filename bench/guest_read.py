@@ -32,6 +32,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.volumes import guest_seconds  # noqa: E402
+
 
 def make_image(guest: Path, work: Path, size_mib: int) -> Path:
     """The guest's rootfs grown by `size_mib` + 64 MiB, holding /big (random bytes)."""
@@ -48,17 +50,12 @@ def make_image(guest: Path, work: Path, size_mib: int) -> Path:
     return img
 
 
-def seconds(run: Callable[[str], str], command: str) -> float:
-    out = run(f"s=$(cat /proc/uptime); {command}; e=$(cat /proc/uptime); echo ${{s%% *}} ${{e%% *}}").split()
-    return float(out[-1]) - float(out[-2])
-
-
 def reads(run: Callable[[str], str], size_mib: int) -> dict[str, float]:
     dd = "dd if=/big of=/dev/null bs=1M 2>/dev/null"
     run("sync; echo 3 > /proc/sys/vm/drop_caches")
-    first = seconds(run, dd)
+    first = guest_seconds(run, dd)
     run("echo 3 > /proc/sys/vm/drop_caches")
-    again = seconds(run, dd)
+    again = guest_seconds(run, dd)
     mb = size_mib * 1.048576
     return {"first_mb_s": mb / first, "again_mb_s": mb / again}
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.api_load import qemu_processes, sandbox_records, setup, upper_layers  # noqa: E402
 from bench.envd import percentile  # noqa: E402
-from bench.gateway import start_gateway  # noqa: E402
+from bench.gateway import start_gateway, stop_gateway  # noqa: E402
 
 
 def one_create(template: str) -> tuple[float, str | None, str | None]:
@@ -110,8 +109,7 @@ def bench(guest: Path, work: Path, bursts: list[int], serial_count: int, limit: 
                       f"{row['per_s']:.2f}/s", flush=True)
     finally:
         if gateway is not None:
-            gateway.send_signal(signal.SIGTERM)
-            gateway.wait(timeout=30)
+            stop_gateway(gateway)
         srv.cleanup()
     return rows
 

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,29 +37,32 @@ sys.path.insert(0, str(ROOT))
 PLACES = {"volume": "/mnt/vol/bench", "root disk": "/root/bench", "tmpfs": "/tmp/bench"}
 
 
-def guest_seconds(sbx: Any, command: str) -> float:
-    """Run `command` in the guest; seconds it took, timed by the guest itself."""
-    out = sbx.commands.run(f"s=$(cat /proc/uptime); {command}; e=$(cat /proc/uptime); "
-                           "echo ${s%% *} ${e%% *}", timeout=600).stdout.split()
+def guest_seconds(run: Callable[[str], str], command: str) -> float:
+    """`command` run in the guest by `run` (which returns its output);
+    the seconds it took, timed by the guest itself."""
+    out = run(f"s=$(cat /proc/uptime); {command}; e=$(cat /proc/uptime); echo ${{s%% *}} ${{e%% *}}").split()
     return float(out[-1]) - float(out[-2])
 
 
 def in_guest(sbx: Any, size_mib: int, files: int) -> dict[str, dict[str, float]]:
     sbx.commands.run(f"dd if=/dev/urandom of=/tmp/src bs=1M count={size_mib} 2>/dev/null", timeout=600)
+
+    def run(command: str) -> str:
+        return sbx.commands.run(command, timeout=600).stdout
     rows: dict[str, dict[str, float]] = {}
     for place, d in PLACES.items():
         sbx.commands.run(f"mkdir -p {d}")
         f = f"{d}/big"
-        write = guest_seconds(sbx, f"dd if=/tmp/src of={f} bs=1M 2>/dev/null; sync")
+        write = guest_seconds(run, f"dd if=/tmp/src of={f} bs=1M 2>/dev/null; sync")
         sbx.commands.run("sync; echo 3 > /proc/sys/vm/drop_caches")
-        read = guest_seconds(sbx, f"dd if={f} of=/dev/null bs=1M 2>/dev/null")
+        read = guest_seconds(run, f"dd if={f} of=/dev/null bs=1M 2>/dev/null")
         same = sbx.commands.run(f"cmp /tmp/src {f} && echo same").stdout.strip()
         assert same == "same", f"{place}: the file read back differs"
-        make = guest_seconds(sbx, f"mkdir {d}/small && for i in $(seq {files}); do "
+        make = guest_seconds(run, f"mkdir {d}/small && for i in $(seq {files}); do "
                                   f"head -c 4096 /tmp/src > {d}/small/f$i; done; sync")
         sbx.commands.run("sync; echo 3 > /proc/sys/vm/drop_caches")
-        cat = guest_seconds(sbx, f"cat {d}/small/* > /dev/null")
-        rm = guest_seconds(sbx, f"rm -r {d}/small {f}")
+        cat = guest_seconds(run, f"cat {d}/small/* > /dev/null")
+        rm = guest_seconds(run, f"rm -r {d}/small {f}")
         rows[place] = {"write_mb_s": size_mib * 1.048576 / write, "read_mb_s": size_mib * 1.048576 / read,
                        "small_create_per_s": files / make, "small_read_per_s": files / cat,
                        "small_remove_per_s": files / rm}
