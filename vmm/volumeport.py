@@ -12,8 +12,11 @@ EIO and is logged; it never ends the port.
 The guest sends a request again with its id when it had no answer (the
 node was away: a snapshot, a restore, a fork, a restart). Replies to
 changes are remembered (`Replies`, kept by the node per sandbox across its
-VM's restarts), keyed by the request's exact bytes, so a repeat of a change
-already made gets the same answer instead of making it twice.
+VM's restarts), keyed by the request's line (its id, op and fields; not a
+write's data, which would mean hashing every MiB written: ids are unique
+per agent run, and the node forgets them when the guest goes back in time),
+so a repeat of a change already made gets the same answer instead of
+making it twice.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ MAX_TIME = 1 << 34  # seconds: a time past year 2514 is a guest's mistake
 
 
 class Replies:
-    """Recent replies to changes, by the request's bytes (thread-safe)."""
+    """Recent replies to changes, by the request's line (thread-safe)."""
 
     def __init__(self, *, limit: int = REMEMBERED) -> None:
         self._limit = limit
@@ -201,7 +204,7 @@ class VolumePort:
         return True
 
     def _answer(self, request: dict[str, Any], raw: bytes, line: bytes) -> None:
-        key = hashlib.blake2b(line + raw, digest_size=16).digest() if request.get("op") in CHANGES else None
+        key = hashlib.blake2b(line, digest_size=16).digest() if request.get("op") in CHANGES else None
         try:
             if key is not None:
                 earlier = self._replies.begin(key)
