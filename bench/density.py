@@ -4,7 +4,8 @@ and what each costs the host, in one run.
 Sandboxes are started from one snapshot template (256 MiB guests: every one
 restores the same snapshot, as forks do) in steps of --step until --count or
 until the node refuses (429: `max_sandboxes`), and after each step, once
-the fleet has idled for --idle seconds:
+the fleet has settled for --settle seconds (a guest just restored is busy
+for a few seconds) and then idled for --idle seconds:
 
     host MiB / sandbox   (MemAvailable before the first - MemAvailable now) / count:
                          everything the fleet costs the host, QEMU, the page
@@ -15,7 +16,7 @@ the fleet has idled for --idle seconds:
 
 Then one create past the limit must be a 429 that leaves no record behind.
 
-    .venv/bin/python bench/density.py [--count 100] [--step 20] [--idle 10] [--json FILE]
+    .venv/bin/python bench/density.py [--count 100] [--step 20] [--settle 20] [--idle 10] [--json FILE]
 
 Targets (issue 36): 100 idle sandboxes, under 32 MiB of host memory each
 beyond what they changed, the idle fleet under 10% of one core. Real QEMU
@@ -76,7 +77,8 @@ def cpu_ticks(pids: list[int]) -> int:
     return total
 
 
-def measure(work: Path, count: int, baseline: int, idle: float) -> dict[str, float]:
+def measure(work: Path, count: int, baseline: int, idle: float, settle: float) -> dict[str, float]:
+    time.sleep(settle)
     pids = qemu_pids(work)
     before = cpu_ticks(pids)
     time.sleep(idle)
@@ -85,7 +87,7 @@ def measure(work: Path, count: int, baseline: int, idle: float) -> dict[str, flo
             "pss_mib_each": sum(pss(p) for p in pids) / max(len(pids), 1) / 2**20, "idle_cpu_pct": cpu}
 
 
-def bench(guest: Path, work: Path, count: int, step: int, idle: float) -> dict[str, Any]:
+def bench(guest: Path, work: Path, count: int, step: int, idle: float, settle: float) -> dict[str, Any]:
     from tests.node_server import NodeServer
 
     srv = NodeServer(work / "node", guest, STRATA_MAX_SANDBOXES=str(count), STRATA_SANDBOX_TIMEOUT="3600",
@@ -106,7 +108,7 @@ def bench(guest: Path, work: Path, count: int, step: int, idle: float) -> dict[s
                 made += 1
             if "stopped" in out or made == 0:
                 break
-            rows.append(measure(work, made, baseline, idle))
+            rows.append(measure(work, made, baseline, idle, settle))
             print("  " + "  ".join(f"{k} {v:.1f}" for k, v in rows[-1].items()), flush=True)
         before = len(sandbox_records(srv))
         r = srv.client.post("/sandboxes", json={"templateID": "snap"})
@@ -121,13 +123,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=100, help="sandboxes to hold (the node's max_sandboxes)")
     parser.add_argument("--step", type=int, default=20, help="sandboxes started between measurements")
-    parser.add_argument("--idle", type=float, default=10.0, help="seconds the fleet idles before each measurement")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds the fleet settles after each step")
+    parser.add_argument("--idle", type=float, default=10.0, help="seconds over which idle CPU is measured")
     parser.add_argument("--guest", type=Path, default=Path(os.environ.get("STRATA_GUEST_DIR", "/var/tmp/strata-guest")))
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     subprocess.run(["bash", str(ROOT / "vmm/guest/build.sh"), str(args.guest)], check=True, stdout=subprocess.DEVNULL)
     with tempfile.TemporaryDirectory(prefix="strata-bench-density-", dir="/var/tmp") as tmp:
-        out = bench(args.guest, Path(tmp), args.count, args.step, args.idle)
+        out = bench(args.guest, Path(tmp), args.count, args.step, args.idle, args.settle)
     print(f"\n{'sandboxes':>9} {'host MiB each':>14} {'PSS MiB / QEMU':>15} {'idle CPU % of a core':>21}")
     for r in out["rows"]:
         print(f"{r['count']:9.0f} {r['host_mib_each']:14.1f} {r['pss_mib_each']:15.1f} {r['idle_cpu_pct']:21.1f}")

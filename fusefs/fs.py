@@ -224,7 +224,7 @@ class StrataFS(pyfuse3.Operations):
             return None
         with self._lock:
             d = self._mkdir(self.layers, manifest_id, key=f"layer:{manifest_id}")
-            self._mkfile(d, DISK, view=view)
+            self._mkfile(d, DISK, view=view).private_map = True  # a VM's RAM base (vmm/cowmemory.py)
             return d
 
     def _snapshot_dir(self, snapshot_id: str) -> Node | None:

@@ -287,7 +287,8 @@ def processes_under(path: Path) -> list[int]:
 
 def test_boot_args_give_ttys0_to_the_agent() -> None:
     assert firecracker_boot_args(DEFAULT_CMDLINE, pci=True) == (
-        "quiet panic=-1 strata.agent=/dev/ttyS0 8250.nr_uarts=1 reboot=k i8042.noaux i8042.nomux i8042.dumbkbd")
+        "quiet panic=-1 tsc=reliable nowatchdog sysctl.vm.compaction_proactiveness=0 sysctl.vm.stat_interval=10 "
+        "strata.agent=/dev/ttyS0 8250.nr_uarts=1 reboot=k i8042.noaux i8042.nomux i8042.dumbkbd")
     assert firecracker_boot_args("console=ttyS0,115200 strata.agent=/dev/ttyS1 reboot=t", pci=False) == (
         "reboot=t strata.agent=/dev/ttyS0 8250.nr_uarts=1 i8042.noaux i8042.nomux i8042.dumbkbd pci=off")
 

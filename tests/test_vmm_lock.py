@@ -204,6 +204,9 @@ class FakeVm:
     def alive(self) -> bool:
         return self.running
 
+    def sync_memory(self) -> None:
+        """RAM in its file already (a shared mapping)."""
+
     def kill(self) -> None:
         self._check_locked("kill")
 
@@ -211,6 +214,7 @@ class FakeVm:
 class FakeBackend:
     name = "fake"
     volume_port = False
+    cow_memory = False
 
     def __init__(self, root: Path) -> None:
         self.root = root

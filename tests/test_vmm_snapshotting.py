@@ -42,6 +42,9 @@ class StateVm:
         self.calls.append("save_state")
         path.write_bytes(b"device state")
 
+    def sync_memory(self) -> None:
+        self.calls.append("sync_memory")
+
 
 def pipeline(tmp_path: Path) -> tuple[Snapshotting, FakeMount]:
     store = open_store(str(tmp_path / "store"))
@@ -57,8 +60,8 @@ def test_precopy_capture_publish_seal_both_layers_and_chain_the_snapshots(tmp_pa
     snaps, mount = pipeline(tmp_path)
     work = tmp_path / "work"
     work.mkdir()
-    timings = snaps.precopy("box")
-    assert mount.calls == ["seal box", "seal box.mem", "await box", "await box.mem"]
+    timings = snaps.precopy("box", StateVm(mount.calls))  # type: ignore[arg-type]
+    assert mount.calls == ["sync_memory", "seal box", "seal box.mem", "await box", "await box.mem"]
     mount.calls.clear()
     timings.update(snaps.capture("box", StateVm(mount.calls), work))  # type: ignore[arg-type]
     assert mount.calls == ["save_state", "seal box", "seal box.mem"]  # nothing waits on a publication

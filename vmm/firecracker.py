@@ -194,6 +194,9 @@ class FirecrackerVm:
                                           "mem_file_path": os.path.abspath(memory)},
                      timeout=self.snapshot_timeout)
 
+    def sync_memory(self) -> None:
+        """Nothing: guest memory reaches its file only through `save_state`."""
+
     def kill(self) -> None:
         """SIGTERM, a short grace, then SIGKILL to the process group.
 
@@ -225,6 +228,7 @@ class FirecrackerBackend:
 
     name = "firecracker"
     volume_port = False  # no virtio-serial: volume mounts would need the port over vsock
+    cow_memory = False  # save_state writes all of guest memory to the memory file
 
     def __init__(self, *, binary: str | None = None, accel: Accel | None = None, pci: bool = True,
                  kernel_cache: Path | None = None, track_dirty_pages: bool = False,

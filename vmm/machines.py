@@ -277,7 +277,7 @@ class Machines:
             self.client.create_disk(memory_sid(record.sid), manifest=memory_layer, volatile=True)
             self.registry.save(record)
             started = time.monotonic()
-            spec = self._with_network(spec, record)
+            spec = self._with_network(self._with_memory_base(spec, memory_layer), record)
             vm = self.backend.start(spec)
         except BaseException:
             try:
@@ -354,6 +354,15 @@ class Machines:
         live = {r.sid for r in self.registry.all()
                 if r.state != "suspended" and self.backend.is_running(self.registry.workdir(r.sid))}
         return self.network.reconcile(live)
+
+    def _with_memory_base(self, spec: VmSpec, memory_layer: str) -> VmSpec:
+        """`spec` with guest RAM mapped copy-on-write from `memory_layer`
+        (the layer its RAM upper layer sits on, read-only on the mount), if
+        the backend can: sandboxes started from one snapshot then share the
+        pages none of them changed (vmm/cowmemory.py)."""
+        if not self.backend.cow_memory:
+            return spec
+        return replace(spec, memory_base=self.paths.layer(memory_layer))
 
     def _with_network(self, spec: VmSpec, record: SandboxRecord) -> VmSpec:
         """`spec` with the sandbox's network attached, if its record has one."""

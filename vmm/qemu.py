@@ -4,24 +4,34 @@ KVM when `vmm.accel.detect` says it can run a stock guest, else TCG with one
 warning line. Never `-cpu host` (fails on MSR 0x10a on the PVM hosts).
 The command line (see vmm/guest/README.md for why each piece):
 
-    qemu-system-x86_64 -M pc,accel=tcg -m 256 -smp 1 -nodefaults -no-user-config
+    qemu-system-x86_64 -M pc,accel=tcg,memory-backend=ram -m 256 -smp 1
+      -object memory-backend-file,id=ram,size=256M,mem-path=BASE,share=off
+      -nodefaults -no-user-config
       -display none -no-reboot -sandbox on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny
       -chardev file,id=console,path=console.log,append=on -serial chardev:console
-      -kernel vmlinuz -initrd initramfs.cpio.gz -append 'console=ttyS0 quiet panic=-1'
+      -kernel vmlinuz -initrd initramfs.cpio.gz -append 'console=ttyS0 quiet panic=-1 ...'   a boot only
       -device virtio-serial-pci -chardev socket,id=agent,path=agent.sock,server=on,wait=off
       -device virtserialport,chardev=agent,name=strata.agent
       [-chardev socket,id=volumes,path=volumes.sock,server=on,wait=off
        -device virtserialport,chardev=volumes,name=strata.volumes]   the volume port
       -qmp unix:qmp.sock,server=on,wait=off -pidfile WORKDIR/qemu.pid
       -drive file=DISK,format=raw,if=virtio,cache=none
-      [-incoming defer, then QMP getfd + migrate-incoming fd:NAME; without a
-       RAM file: -incoming 'exec:cat STATE']
+      [-incoming defer -global migration.send-configuration=off, then QMP
+       getfd + migrate-incoming fd:NAME]   a restore
+
+Guest RAM is mapped copy-on-write from BASE, the read-only memory layer on
+the mount that its RAM upper layer sits on: VMs restored from one snapshot
+share the pages none of them wrote. A snapshot saves device state alone
+(QMP `xen-save-devices-state`) and writes the pages the guest wrote into the
+RAM upper layer (vmm/cowmemory.py); vmm/guest/README.md has the details.
+A VM whose RAM is its own shared file (`VmSpec.memory_shared`, no base)
+saves a migration stream that skips it (`x-ignore-shared`), handed to QEMU
+as an open file (QMP `getfd`, `fd:` URI; QEMU 7.2 has no `file:` URI), and
+restoring one is the same but for the configuration section and boot files.
 
 The disk is opened with cache=none (O_DIRECT), the path the FUSE mount is
 fastest on. QEMU runs in the work directory and binds its sockets there by
-relative name (a deep work directory outgrows a socket address). Snapshots
-are QEMU migration streams to a state file QEMU is handed open (QMP `getfd`,
-`fd:` URI; QEMU 7.2 has no `file:` URI).
+relative name (a deep work directory outgrows a socket address).
 
 QMP serves one client at a time and VMs outlive the process that started
 them, so a `QemuVm` holds no QMP connection between calls: each call
@@ -51,6 +61,7 @@ from layerstore.errors import StrataError
 from .accel import Accel, detect
 from .agent import Agent
 from .backend import VmmError, VmSpec
+from .cowmemory import write_back
 from .durable import write_durably
 from .network import GUEST_MAC, guest_cmdline
 from .process import kill_group, owns, rotate_log, wait_gone
@@ -77,7 +88,8 @@ def _absolute(spec: VmSpec) -> VmSpec:
 
     return dataclasses.replace(spec, kernel=absolute(spec.kernel), initrd=absolute(spec.initrd),
                                disk=absolute(spec.disk), workdir=absolute(spec.workdir),
-                               incoming=absolute(spec.incoming), memory_file=absolute(spec.memory_file))
+                               incoming=absolute(spec.incoming), memory_file=absolute(spec.memory_file),
+                               memory_base=absolute(spec.memory_base))
 
 
 # QEMU's seccomp filter: obsolete, set*uid/gid and resource-control syscalls
@@ -89,17 +101,33 @@ def _absolute(spec: VmSpec) -> VmSpec:
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=allow,resourcecontrol=deny"
 
 
+@dataclasses.dataclass(frozen=True)
+class CowRam:
+    """Guest RAM mapped copy-on-write from `base`; its changed pages go to `file`."""
+
+    base: Path
+    file: Path
+    size: int
+
+    @classmethod
+    def of(cls, spec: VmSpec) -> "CowRam | None":
+        if spec.memory_base is None or spec.memory_file is None:
+            return None
+        return cls(spec.memory_base, spec.memory_file, spec.memory_mib << 20)
+
+
 class QemuVm:
     """A QEMU process we started, or re-attached to from its workdir (then
     `proc` is None: another process of ours started it and may have exited).
     Every call opens its own QMP connection (see the module docstring)."""
 
-    def __init__(self, pid: int, workdir: Path, agent: Agent, *, ram_in_file: bool,
+    def __init__(self, pid: int, workdir: Path, agent: Agent, *, ram_in_file: bool, cow: CowRam | None = None,
                  proc: subprocess.Popen | None = None, qmp_timeout: float = 30.0) -> None:
         self.proc = proc
         self.pid = pid
         self.workdir = workdir
         self.ram_in_file = ram_in_file
+        self.cow = cow
         self.agent = agent
         self.qmp_timeout = qmp_timeout
 
@@ -136,15 +164,32 @@ class QemuVm:
             qmp.execute("cont")
 
     def save_state(self, path: Path) -> None:
+        """Device state to `path`. RAM mapped copy-on-write: the device state
+        alone (QMP `xen-save-devices-state`, which despite its name is any
+        QEMU's), then the changed pages written back. RAM in a shared file:
+        a migration stream that skips it (`x-ignore-shared`)."""
         with self._qmp() as qmp:
             if qmp.execute("query-status")["status"] not in ("paused", "postmigrate"):
                 raise VmmError("save_state needs a paused VM")
+            if self.cow is not None:
+                qmp.execute("xen-save-devices-state", {"filename": os.path.abspath(path), "live": False})
+                self.sync_memory()
+                return
             qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
             if self.ram_in_file:  # RAM lives in its file: stream device state only
                 qmp.execute("migrate-set-capabilities",
                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
             qmp.execute("migrate", {"uri": _state_fd(qmp, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)})
             _wait_migrated(qmp, timeout=300)
+
+    def sync_memory(self) -> None:
+        """The guest's changed RAM pages into its RAM file (vmm/cowmemory.py),
+        if it maps its RAM copy-on-write; shared RAM is in the file already."""
+        if self.cow is None:
+            return
+        done = write_back(self.pid, self.cow.base, self.cow.file, self.cow.size)
+        log.debug("VM %s: %d changed RAM pages, %d written back in %.1f ms", self.pid, done.changed, done.written,
+                  done.seconds * 1000)
 
     def kill(self) -> None:
         if self.alive():
@@ -156,6 +201,20 @@ class QemuVm:
             if not wait_gone(self.pid, 5, proc=self.proc):
                 kill_group(self.pid, proc=self.proc)
         self.agent.close()
+
+
+def devices_only(state: Path) -> bool:
+    """Whether a state file holds device state alone (`xen-save-devices-state`)
+    rather than a migration stream: after the stream's magic and version,
+    a migration opens with its configuration section (type 7)."""
+    try:
+        with open(state, "rb") as f:
+            head = f.read(9)
+    except OSError as exc:
+        raise VmmError(f"reading VM state {state}: {exc.strerror}") from None
+    if len(head) < 9 or head[:8] != b"QEVM\x00\x00\x00\x03":
+        raise VmmError(f"VM state {state} is not a QEMU state stream")
+    return head[8] != 7
 
 
 STATE_FD = "strata-state"  # the name a state file's descriptor gets in QEMU (QMP getfd)
@@ -202,6 +261,7 @@ def _wait_migrated(qmp: QMP, *, timeout: float) -> None:
 class QemuBackend:
     name = "qemu"
     volume_port = True
+    cow_memory = True
 
     def __init__(self, *, binary: str | None = None, accel: Accel | None = None) -> None:
         self.binary = binary or shutil.which(QEMU_BINARY) or QEMU_BINARY
@@ -217,19 +277,25 @@ class QemuBackend:
         memory: list[str] = []
         if spec.memory_file is not None:
             machine += ",memory-backend=ram"
-            # shared: guest RAM writes land in the file; private: the file is
-            # mapped copy-on-write and never written, so it can be a snapshot's
-            # memory file on the FUSE mount, paged in lazily. (QEMU 7.2's
-            # readonly=on would make guest RAM read-only too, hanging the guest.)
-            mode = "share=on" if spec.memory_shared else "share=off"
-            memory = ["-object", f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={spec.memory_file},{mode}"]
+            # shared: guest RAM writes land in the file; private: the file (or
+            # the base) is mapped copy-on-write and never written, so it can be
+            # a snapshot's memory on the FUSE mount, paged in lazily. (QEMU
+            # 7.2's readonly=on would make guest RAM read-only too, hanging the guest.)
+            path = spec.memory_base or spec.memory_file
+            mode = "share=on" if spec.memory_shared and spec.memory_base is None else "share=off"
+            memory = ["-object", f"memory-backend-file,id=ram,size={spec.memory_mib}M,mem-path={path},{mode}"]
+        # Device state alone (xen-save-devices-state) has no configuration
+        # section to expect, and no ROM or RAM for the boot files to match:
+        # a restore from it leaves them out, and with them the kernel image
+        # QEMU would otherwise hold in memory (14 MiB) for the VM's life.
+        devices = spec.incoming is not None and devices_only(spec.incoming)
+        boot = [] if devices else ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline]
         argv = [
             self.binary, "-M", machine, "-m", str(spec.memory_mib), "-smp", str(spec.cpus), *memory,
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-sandbox", SECCOMP,
             # append: the console log can be emptied under QEMU (rotate_logs)
             "-chardev", f"file,id=console,path={w / 'console.log'},append=on", "-serial", "chardev:console",
-            "-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline,
-            "-device", "virtio-serial-pci",
+            *boot, "-device", "virtio-serial-pci",
             "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
             "-device", "virtserialport,chardev=agent,name=strata.agent",
             "-qmp", "unix:qmp.sock,server=on,wait=off", "-pidfile", str(w / "qemu.pid"),
@@ -250,7 +316,7 @@ class QemuBackend:
             # with a RAM file the x-ignore-shared capability must be set before
             # the stream is read, so the incoming side waits for QMP
             incoming = "defer" if spec.memory_file is not None else f"exec:cat {shlex.quote(str(spec.incoming))}"
-            argv += ["-incoming", incoming]
+            argv += ["-incoming", incoming, *(["-global", "migration.send-configuration=off"] if devices else [])]
         return argv + list(spec.extra)
 
     def start(self, spec: VmSpec, *, ready_timeout: float = 120.0) -> QemuVm:
@@ -264,6 +330,8 @@ class QemuBackend:
             raise VmmError(f"VM state {spec.incoming} does not exist")
         if spec.memory_file is not None and not spec.memory_shared and not spec.memory_file.exists():
             raise VmmError(f"memory file {spec.memory_file} does not exist")
+        if spec.memory_base is not None and not spec.memory_base.exists():
+            raise VmmError(f"memory base {spec.memory_base} does not exist")
         if self.accel.name == "tcg" and not self._warned:  # once, and only when a VM is started
             log.warning("%s", self.accel.reason)
             self._warned = True
@@ -298,10 +366,12 @@ class QemuBackend:
                 if proc.poll() is not None:
                     raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
                 raise
-            write_durably(spec.workdir / "vm.json",
-                          json.dumps({"pid": proc.pid, "ram_in_file": spec.memory_file is not None}).encode())
+            cow = CowRam.of(spec)
+            info = {"pid": proc.pid, "ram_in_file": spec.memory_file is not None,
+                    **({"cow": {"base": str(cow.base), "file": str(cow.file), "size": cow.size}} if cow else {})}
+            write_durably(spec.workdir / "vm.json", json.dumps(info).encode())
             qmp.close()  # the VM's handle connects per call
-            return QemuVm(proc.pid, spec.workdir, agent, ram_in_file=spec.memory_file is not None, proc=proc)
+            return QemuVm(proc.pid, spec.workdir, agent, ram_in_file=spec.memory_file is not None, cow=cow, proc=proc)
         except BaseException as exc:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -335,7 +405,9 @@ class QemuBackend:
         pid = int(info["pid"])
         if not _owns(pid, workdir):
             raise VmmError(f"the VM (pid {pid}) is no longer running")
+        cow = info.get("cow")
         return QemuVm(pid, workdir, Agent(workdir / "agent.sock"), ram_in_file=bool(info["ram_in_file"]),
+                      cow=CowRam(Path(cow["base"]), Path(cow["file"]), int(cow["size"])) if cow else None,
                       qmp_timeout=max(timeout, 30.0))
 
     def _recorded_pid(self, workdir: Path) -> int | None:

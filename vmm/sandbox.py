@@ -114,11 +114,12 @@ class Sandboxes(Machines):
                           memory_file=self._memory_path(sid), volume_port=self.backend.volume_port)
             self.volumes.forget(sid)
             record.volume_port, record.volumes = self.backend.volume_port, {}  # a cold boot: no mounts
-            self.client.create_disk(memory_sid(sid), manifest=self.boot_files.zero_memory(record.memory_mib), volatile=True)
+            zero = self.boot_files.zero_memory(record.memory_mib)
+            self.client.create_disk(memory_sid(sid), manifest=zero, volatile=True)
             started = time.monotonic()
             if record.network is not None:
                 self._network().detach(sid)  # the old VM's: a cold boot starts from a fresh network
-            spec = self._with_network(spec, record)
+            spec = self._with_network(self._with_memory_base(spec, zero), record)
             vm = self.backend.start(spec)
             record.state, record.operation, record.pid = "running", "", vm.pid
             record.timings["reboot"] = time.monotonic() - started
@@ -193,7 +194,7 @@ class Sandboxes(Machines):
         record.operation = "snapshot"
         self.registry.save(record)
         try:
-            timings = self.snapshots.precopy(sid) if running else {"precopy": 0.0}
+            timings = self.snapshots.precopy(sid, sandbox.vm) if running else {"precopy": 0.0}
         except BaseException:  # nothing paused yet: the sandbox runs on as it was
             record.operation = ""
             self.registry.save(record)

@@ -103,7 +103,7 @@ class Snapshotting:
             )
 
 
-    def precopy(self, sid: str) -> dict[str, float]:
+    def precopy(self, sid: str, vm: Vm) -> dict[str, float]:
         """While the guest still runs: its dirty RAM written back, and the RAM
         and disk upper layers sealed and published, as a live migration
         copies memory before it stops the VM. The pause that follows then
@@ -113,6 +113,7 @@ class Snapshotting:
         published. The price is a second layer per snapshot (pages changed
         in both windows are stored twice) and the snapshot call's own time."""
         t0 = time.monotonic()
+        vm.sync_memory()
         self._seal_layers(sid)
         self.client.await_seal(sid)
         self.client.await_seal(memory_sid(sid))

@@ -208,8 +208,11 @@ func (a *Agent) sendError(id uint64, err error) {
 }
 
 // reader reads request lines until the process dies. EOF means the host
-// disconnected: streams stop (the host re-attaches) and reading resumes.
+// disconnected: streams stop (the host re-attaches) and reading resumes
+// once it is back (hostwait.go).
 func (a *Agent) reader(f *os.File) {
+	host := newHostSignal()
+	host.watch(f)
 	r := bufio.NewReaderSize(f, 1<<20)
 	var line []byte
 	for {
@@ -225,7 +228,7 @@ func (a *Agent) reader(f *os.File) {
 		case err != nil:
 			line = line[:0]
 			a.cancelStreams()
-			time.Sleep(50 * time.Millisecond)
+			host.wait()
 			continue
 		}
 		if l := bytes.TrimSpace(line); len(l) > 0 {
