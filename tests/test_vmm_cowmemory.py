@@ -160,6 +160,10 @@ def test_forks_share_the_pages_none_changed_and_snapshots_and_pauses_stay_exact(
         assert shared, f"fork {f.sid} does not map {base}"
         assert shared["Shared_Clean"] > 4096 and shared["Shared_Clean"] > shared["Anonymous"], shared
 
+    # each fork's kernel was given its own randomness: they read different /dev/urandom bytes
+    randoms = {f.vm.agent.run("head -c 32 /dev/urandom | md5sum").output for f in forks}
+    assert len(randoms) == 3
+
     # each fork's writes are its own; the parent's later writes show in none
     own = {}
     for f in forks:

@@ -182,7 +182,7 @@ class FakeVm:
         self.pid = pid
         self.calls: list[str] = []
         self.running = True
-        self.agent = type("NoAgent", (), {"close": lambda self: None})()
+        self.agent = type("NoAgent", (), {"close": lambda self: None, "reseed": lambda self, seed: None})()
 
     def _check_locked(self, call: str) -> None:
         fd = os.open(self.lock_file, os.O_RDWR)

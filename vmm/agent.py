@@ -480,6 +480,11 @@ class Agent:
         except (KeyError, TypeError, ValueError):
             raise AgentError(f"guest agent sent malformed metrics: {str(m)[:80]!r}") from None
 
+    def reseed(self, seed: bytes, *, timeout: float = 10.0) -> None:
+        """Mix `seed` into the guest kernel's entropy pool and rekey its CRNG
+        (vmm/guest/agent/random.go says why)."""
+        self.call("reseed", data=base64.b64encode(seed).decode(), timeout=timeout)
+
     def send_input(self, pid: int, data: bytes, *, timeout: float = 30.0) -> None:
         self.call("input", timeout=timeout, pid=pid, data=base64.b64encode(data).decode())
 

@@ -13,6 +13,7 @@ process that died holding it left midway (`_finish_interrupted`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.store import Store
 
 from . import events
-from .agent import DEFAULT_MAX_OUTPUT, Agent, RunResult
+from .agent import DEFAULT_MAX_OUTPUT, Agent, AgentError, RunResult
 from .backend import Vm, VmmBackend, VmSpec
 from .bootfiles import BootFiles
 from .egress import Egress
@@ -290,6 +291,8 @@ class Machines:
             if not keep_record:
                 self.registry.remove(record.sid)
             raise
+        if spec.incoming is not None:
+            self._reseed(vm, work)
         took = record.timings["restore" if spec.incoming else "boot"] = time.monotonic() - started  # network too
         record.pid = vm.pid
         self.registry.save(record)
@@ -298,6 +301,18 @@ class Machines:
         what = "resumed" if keep_record else "restored" if spec.incoming else "booted"
         events.append(work, "info", f"{what} from {record.source}", seconds=f"{took:.3f}")
         return Sandbox(record, vm, work)
+
+    @staticmethod
+    def _reseed(vm: Vm, work: Path) -> None:
+        """Fresh random bytes for a restored guest's kernel: VMs restored from
+        one snapshot would otherwise read the same /dev/urandom bytes until
+        it reseeds on its own. A guest whose agent predates `reseed` keeps
+        the snapshot's state, and its event log says so."""
+        try:
+            vm.agent.reseed(os.urandom(64))
+        except AgentError as exc:
+            log.warning("%s: the guest's random number generator was not reseeded: %s", work.name, exc)
+            events.append(work, "warn", f"the guest's random number generator was not reseeded: {exc}")
 
     def _stop(self, sid: str) -> None:
         """Stop the VM (if any) and remove the disk and RAM upper layers (if any)."""

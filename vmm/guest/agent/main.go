@@ -349,6 +349,10 @@ func (a *Agent) concurrent(req *Request) {
 		}
 	case "read":
 		err = a.files.read(a, req)
+	case "reseed": // random.go
+		if err = reseed(req.Data); err == nil {
+			a.send(&Reply{ID: req.ID, End: true})
+		}
 	case "mount_volume": // volfs.go
 		if err = mountVolume(req.Volume, req.Path); err == nil {
 			a.send(&Reply{ID: req.ID, End: true})
