@@ -2,10 +2,11 @@
 
 `Sandboxes` ties the pieces together. The mount daemon (`fusefs`) gives each
 sandbox two copy-on-write upper layers: its disk (`sandboxes/<sid>/disk.img`)
-and its guest RAM (`sandboxes/<sid>.mem/disk.img`). QEMU maps that RAM
-file shared, so guest memory writes land in the RAM upper layer as they
-happen; Firecracker writes guest memory into it when it saves state (see
-vmm/firecracker.py). A `VmmBackend` runs the VM, the store keeps snapshots,
+and its guest RAM (`sandboxes/<sid>.mem/disk.img`). QEMU maps the layer
+beneath that RAM file copy-on-write, shared by every sandbox restored from
+one snapshot, and writes the pages its guest changed into the RAM file when
+it saves state (vmm/cowmemory.py); Firecracker writes all of guest memory
+into it then (vmm/firecracker.py). A `VmmBackend` runs the VM, the store keeps snapshots,
 and a `Registry` keeps one record per sandbox on disk so any later process
 (the next CLI command, a restarted API service) can find and control it
 again. Every operation on a sandbox holds its file lock (`Registry.lock`)

@@ -3,10 +3,12 @@
 `Sandboxes` (vmm/sandbox.py) runs a snapshot and keeps its record and lock;
 `Snapshotting` does the steps that move bytes:
 
-    precopy  = while the guest runs: dirty guest RAM written back, both
-               upper layers sealed and their seals published
-    capture  = with the guest paused: device state to workdir/state, dirty
-               guest RAM written back, both upper layers sealed (each new
+    precopy  = while the guest runs: the guest RAM the VMM holds written
+               back (Vm.sync_memory), both upper layers sealed and their
+               seals published
+    capture  = with the guest paused: device state to workdir/state and the
+               rest of guest RAM written back (Vm.save_state), both upper
+               layers sealed (each new
                layer holds only the chunks dirtied since the last seal)
     publish  = the guest may run again: the seals published, the state file
                imported as a layer, the snapshot manifest written (parent:
@@ -178,9 +180,9 @@ class Snapshotting:
         return snapshot_id
 
     def _flush_memory(self, sid: str) -> None:
-        """Write back the guest RAM pages dirty in the page cache (RAM is a
-        shared mapping of this file on the mount) and wait for the mount to
-        have them: fsync(2) of the file.
+        """Write back the guest RAM pages dirty in the page cache (for a VM
+        that maps this file shared, or wrote it: vmm/cowmemory.py fsyncs
+        too) and wait for the mount to have them: fsync(2) of the file.
 
         syncfs(2) of the mount does not do it: it returns with the pages
         still dirty. Until QEMU was handed the state file as a descriptor,
