@@ -53,7 +53,7 @@ class VmSpec:
     # the layer `memory_file` sits on, copy-on-write instead, so VMs started
     # from one snapshot hold the pages none of them changed once; its
     # `save_state` and `sync_memory` write the changed pages into
-    # `memory_file` (vmm/cowmemory.py). Every QEMU sandbox's RAM.
+    # `memory_file` (vmm/cowmemory.py). Every restored QEMU sandbox's RAM.
     memory_base: Path | None = None
     # The sandbox's network namespace (vmm/network.py): the VMM runs in it and
     # gives the guest a NIC on its tap0. None = no NIC (a snapshot restores

@@ -19,15 +19,17 @@ The command line (see vmm/guest/README.md for why each piece):
       [-incoming defer -global migration.send-configuration=off, then QMP
        getfd + migrate-incoming fd:NAME]   a restore
 
-Guest RAM is mapped copy-on-write from BASE, the read-only memory layer on
-the mount that its RAM upper layer sits on: VMs restored from one snapshot
-share the pages none of them wrote. A snapshot saves device state alone
-(QMP `xen-save-devices-state`) and writes the pages the guest wrote into the
-RAM upper layer (vmm/cowmemory.py); vmm/guest/README.md has the details.
-A VM whose RAM is its own shared file (`VmSpec.memory_shared`, no base)
-saves a migration stream that skips it (`x-ignore-shared`), handed to QEMU
-as an open file (QMP `getfd`, `fd:` URI; QEMU 7.2 has no `file:` URI), and
-restoring one is the same but for the configuration section and boot files.
+A restored guest's RAM is mapped copy-on-write from BASE, the read-only
+memory layer on the mount that its RAM upper layer sits on: VMs restored
+from one snapshot share the pages none of them wrote. Its snapshot saves
+device state alone (QMP `xen-save-devices-state`) and writes the pages the
+guest wrote into the RAM upper layer (vmm/cowmemory.py); vmm/guest/README.md
+has the details. A booted guest's RAM is its RAM file, mapped shared
+(`mem-path=RAMFILE,share=on`); its snapshot is a migration stream that
+skips it (`x-ignore-shared`), handed to QEMU as an open file (QMP `getfd`,
+`fd:` URI; QEMU 7.2 has no `file:` URI), and a restore from that keeps
+`-kernel` and `-initrd` (the stream's ROM contents must match them) and the
+configuration section.
 
 The disk is opened with cache=none (O_DIRECT), the path the FUSE mount is
 fastest on. QEMU runs in the work directory and binds its sockets there by

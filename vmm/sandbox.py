@@ -2,11 +2,12 @@
 
 `Sandboxes` ties the pieces together. The mount daemon (`fusefs`) gives each
 sandbox two copy-on-write upper layers: its disk (`sandboxes/<sid>/disk.img`)
-and its guest RAM (`sandboxes/<sid>.mem/disk.img`). QEMU maps the layer
-beneath that RAM file copy-on-write, shared by every sandbox restored from
-one snapshot, and writes the pages its guest changed into the RAM file when
-it saves state (vmm/cowmemory.py); Firecracker writes all of guest memory
-into it then (vmm/firecracker.py). A `VmmBackend` runs the VM, the store keeps snapshots,
+and its guest RAM (`sandboxes/<sid>.mem/disk.img`). A booted QEMU guest
+maps that RAM file shared, so its writes land in the RAM layer as they
+happen; a restored one maps the layer beneath it copy-on-write, shared by
+every sandbox restored from one snapshot, and writes the pages it changed
+into the RAM file when it saves state (vmm/cowmemory.py); Firecracker
+writes all of guest memory into it then (vmm/firecracker.py). A `VmmBackend` runs the VM, the store keeps snapshots,
 and a `Registry` keeps one record per sandbox on disk so any later process
 (the next CLI command, a restarted API service) can find and control it
 again. Every operation on a sandbox holds its file lock (`Registry.lock`)
@@ -115,12 +116,11 @@ class Sandboxes(Machines):
                           memory_file=self._memory_path(sid), volume_port=self.backend.volume_port)
             self.volumes.forget(sid)
             record.volume_port, record.volumes = self.backend.volume_port, {}  # a cold boot: no mounts
-            zero = self.boot_files.zero_memory(record.memory_mib)
-            self.client.create_disk(memory_sid(sid), manifest=zero, volatile=True)
+            self.client.create_disk(memory_sid(sid), manifest=self.boot_files.zero_memory(record.memory_mib), volatile=True)
             started = time.monotonic()
             if record.network is not None:
                 self._network().detach(sid)  # the old VM's: a cold boot starts from a fresh network
-            spec = self._with_network(self._with_memory_base(spec, zero), record)
+            spec = self._with_network(spec, record)
             vm = self.backend.start(spec)
             record.state, record.operation, record.pid = "running", "", vm.pid
             record.timings["reboot"] = time.monotonic() - started
