@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import needs_qemu
 from tests.test_vmm_qemu import Node, node  # noqa: F401 (a fixture)
 from vmm.backend import VmmError
-from vmm.cowmemory import PAGE, mapping_address, own_pages, write_back
+from vmm.cowmemory import PAGE, CowRam, mapping_address, own_pages, write_back
 
 PAGES = 1024  # 4 MiB
 CHILD = r"""
@@ -197,3 +197,37 @@ def test_forks_share_the_pages_none_changed_and_snapshots_and_pauses_stay_exact(
     time.sleep(0.5)
     assert int(woken.vm.agent.run("cat /tmp/counter").output) > count
     assert md5(third.vm, "/tmp/own") == own[third.sid]  # a sibling is untouched by all of it
+
+
+def test_a_capture_after_a_precopy_compares_with_what_the_precopy_wrote(files: tuple[Path, Path, bytes],
+                                                                       child: Child) -> None:
+    base, target, data = files
+    ram = CowRam(base, target, PAGES * PAGE)
+    child.do("write 10 1", "write 11 2", "write 300 3")
+    pid = child.proc.pid
+    first = ram.write_back(pid, precopy=True)  # the guest runs on
+    assert (first.changed, first.written) == (3, 3)
+    child.do("write 11 7", "write 12 8", "same 10")  # one page changed again, one new, one rewritten alike
+    target_before = target.read_bytes()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        done = ram.write_back(pid)
+        assert (done.changed, done.written) == (4, 2)
+        assert target.read_bytes() == child.memory(base)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert target_before != target.read_bytes()
+    # what a pre-copy kept is used once: a later write-back reads the file again
+    assert ram.write_back(pid).written == 0 and ram._seen == {}
+
+
+def test_a_failed_precopy_leaves_nothing_a_capture_would_trust(files: tuple[Path, Path, bytes], child: Child,
+                                                              tmp_path: Path) -> None:
+    base, target, data = files
+    short = tmp_path / "short"
+    short.write_bytes(data[:PAGE * 20])
+    ram = CowRam(base, short, PAGES * PAGE)
+    child.do("write 5 1", "write 600 2")  # page 600 is past the short file's end: the write-back fails there
+    with pytest.raises(VmmError, match="short"):
+        ram.write_back(child.proc.pid, precopy=True)
+    assert ram._seen == {}

@@ -28,7 +28,12 @@ so the changed pages are runs of top bytes in [\\x40-\\x5f\\x80-\\x9f\\xc0-\\xdf
 found by one regular expression at C speed. They are read from
 /proc/PID/mem a megabyte at a time, compared with the target's bytes, and
 only pages that differ are written: a snapshot after a pre-copy rewrites
-only what the guest changed in between.
+only what the guest changed in between. With no dirty page tracking that
+reaches QEMU's memory from outside (soft-dirty bits are not in this
+kernel; userfaultfd would have to be opened inside QEMU), every page the
+guest owns is read at each write-back, so a `CowRam` keeps what its
+pre-copy read until the capture that follows: the capture then compares
+in memory instead of reading the target back through the mount.
 
 Exact only while the process is paused (a snapshot's capture; a pre-copy
 reads a running guest and the capture corrects it), and only while nothing
@@ -96,11 +101,38 @@ def own_pages(pid: int, address: int, pages: int) -> list[tuple[int, int]]:
     return [(m.start(), m.end() - m.start()) for m in _OWN_COPY.finditer(tops)]
 
 
-def write_back(pid: int, base: Path, target: Path, size: int) -> WriteBack:
+class CowRam:
+    """A VM's guest RAM: mapped copy-on-write from `base`, written back into
+    `file` (`size` bytes each)."""
+
+    def __init__(self, base: Path, file: Path, size: int) -> None:
+        self.base, self.file, self.size = base, file, size
+        self._seen: dict[int, memoryview] = {}  # page -> its bytes as the last pre-copy wrote them
+
+    def write_back(self, pid: int, *, precopy: bool = False) -> WriteBack:
+        """`write_back` of VM process `pid`. A pre-copy keeps the bytes it read
+        (as much memory as the guest owns pages, until the next call); the
+        next call compares with them."""
+        seen, self._seen = self._seen, {}
+        keep: dict[int, memoryview] = {}
+        done = write_back(pid, self.base, self.file, self.size, known=seen, keep=keep if precopy else None)
+        self._seen = keep  # only once all of it is in the file: a failure keeps nothing to trust
+        return done
+
+    def forget(self) -> None:
+        """Drop what a pre-copy kept (its snapshot was given up)."""
+        self._seen = {}
+
+
+def write_back(pid: int, base: Path, target: Path, size: int, *, known: dict[int, memoryview] | None = None,
+               keep: dict[int, memoryview] | None = None) -> WriteBack:
     """Write the pages process `pid` changed in its private mapping of `base`
     into `target` (a file over the same bytes as `base`), where they differ;
     then flush `target` and drop its pages from the page cache (the
-    guest's copies are the ones in memory). Returns what it did."""
+    guest's copies are the ones in memory). Returns what it did.
+
+    `known`: pages whose bytes in `target` are known (page -> bytes), not
+    read back; `keep`: filled with the bytes of every page the guest owns."""
     started = time.monotonic()
     address = mapping_address(pid, base, size)
     runs = own_pages(pid, address, size // PAGE)
@@ -114,7 +146,7 @@ def write_back(pid: int, base: Path, target: Path, size: int) -> WriteBack:
                     changed += count
                     for page in range(first, first + count, RUN_PAGES):
                         n = min(RUN_PAGES, first + count - page)
-                        written += _write_differing(mem, out, address, page, n)
+                        written += _write_differing(mem, out, address, page, n, known or {}, keep)
                 os.fsync(out)
                 os.posix_fadvise(out, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
@@ -126,15 +158,24 @@ def write_back(pid: int, base: Path, target: Path, size: int) -> WriteBack:
     return WriteBack(changed, written, time.monotonic() - started)
 
 
-def _write_differing(mem: int, out: int, address: int, page: int, n: int) -> int:
-    """Compare `n` pages from `page` in the guest with the target; write
-    the runs of pages that differ. Returns the pages written."""
+def _write_differing(mem: int, out: int, address: int, page: int, n: int, known: dict[int, memoryview],
+                     keep: dict[int, memoryview] | None) -> int:
+    """Compare `n` pages from `page` in the guest with the target (as
+    `known`, or read); write the runs of pages that differ. Returns the
+    pages written."""
     offset = page * PAGE
     guest = _pread_all(mem, n * PAGE, address + offset)
-    have = _pread_all(out, n * PAGE, offset)
+    view = memoryview(guest)
+    if keep is not None:
+        for i in range(n):
+            keep[page + i] = view[i * PAGE:(i + 1) * PAGE]
+    if all(page + i in known for i in range(n)):
+        have = b"".join(known[page + i] for i in range(n))
+    else:
+        have = _pread_all(out, n * PAGE, offset)
     if guest == have:
         return 0
-    view, theirs = memoryview(guest), memoryview(have)
+    theirs = memoryview(have)
     written = 0
     i = 0
     while i < n:

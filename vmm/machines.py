@@ -378,10 +378,10 @@ class Machines:
 
         Not a boot: a booted guest shares nothing with others (it writes
         every page it touches, 110 MiB by its agent's start), and a snapshot
-        of copy-on-write RAM reads every page the guest wrote since it was
-        restored to find the changed ones (vmm/cowmemory.py: no dirty page
-        tracking reaches QEMU's memory from outside), 140 ms of pause for a
-        booted guest where writing back the RAM file's dirty pages takes 30."""
+        of copy-on-write RAM reads, during the pause, every page the guest
+        wrote since it started (vmm/cowmemory.py: no dirty page tracking
+        reaches QEMU's memory from outside), where a shared RAM file's
+        write-back handles only the pages dirtied since the pre-copy."""
         if not self.backend.cow_memory or spec.incoming is None:
             return spec
         return replace(spec, memory_base=self.paths.layer(memory_layer))

@@ -63,7 +63,7 @@ from layerstore.errors import StrataError
 from .accel import Accel, detect
 from .agent import Agent
 from .backend import VmmError, VmSpec
-from .cowmemory import write_back
+from .cowmemory import CowRam
 from .durable import write_durably
 from .network import GUEST_MAC, guest_cmdline
 from .process import kill_group, owns, rotate_log, wait_gone
@@ -103,19 +103,10 @@ def _absolute(spec: VmSpec) -> VmSpec:
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=allow,resourcecontrol=deny"
 
 
-@dataclasses.dataclass(frozen=True)
-class CowRam:
-    """Guest RAM mapped copy-on-write from `base`; its changed pages go to `file`."""
-
-    base: Path
-    file: Path
-    size: int
-
-    @classmethod
-    def of(cls, spec: VmSpec) -> "CowRam | None":
-        if spec.memory_base is None or spec.memory_file is None:
-            return None
-        return cls(spec.memory_base, spec.memory_file, spec.memory_mib << 20)
+def _cow_ram(spec: VmSpec) -> CowRam | None:
+    if spec.memory_base is None or spec.memory_file is None:
+        return None
+    return CowRam(spec.memory_base, spec.memory_file, spec.memory_mib << 20)
 
 
 class QemuVm:
@@ -164,6 +155,8 @@ class QemuVm:
                 qmp.execute("migrate_cancel")
                 _wait_migration_over(qmp, timeout=30)
             qmp.execute("cont")
+        if self.cow is not None:
+            self.cow.forget()  # a pre-copy whose capture never came
 
     def save_state(self, path: Path) -> None:
         """Device state to `path`. RAM mapped copy-on-write: the device state
@@ -175,7 +168,7 @@ class QemuVm:
                 raise VmmError("save_state needs a paused VM")
             if self.cow is not None:
                 qmp.execute("xen-save-devices-state", {"filename": os.path.abspath(path), "live": False})
-                self.sync_memory()
+                self._write_back(precopy=False)
                 return
             qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
             if self.ram_in_file:  # RAM lives in its file: stream device state only
@@ -185,11 +178,15 @@ class QemuVm:
             _wait_migrated(qmp, timeout=300)
 
     def sync_memory(self) -> None:
-        """The guest's changed RAM pages into its RAM file (vmm/cowmemory.py),
-        if it maps its RAM copy-on-write; shared RAM is in the file already."""
-        if self.cow is None:
-            return
-        done = write_back(self.pid, self.cow.base, self.cow.file, self.cow.size)
+        """A pre-copy of the guest's changed RAM pages into its RAM file
+        (vmm/cowmemory.py), if it maps its RAM copy-on-write; shared RAM is
+        in the file already."""
+        if self.cow is not None:
+            self._write_back(precopy=True)
+
+    def _write_back(self, *, precopy: bool) -> None:
+        assert self.cow is not None
+        done = self.cow.write_back(self.pid, precopy=precopy)
         log.debug("VM %s: %d changed RAM pages, %d written back in %.1f ms", self.pid, done.changed, done.written,
                   done.seconds * 1000)
 
@@ -368,7 +365,7 @@ class QemuBackend:
                 if proc.poll() is not None:
                     raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
                 raise
-            cow = CowRam.of(spec)
+            cow = _cow_ram(spec)
             info = {"pid": proc.pid, "ram_in_file": spec.memory_file is not None,
                     **({"cow": {"base": str(cow.base), "file": str(cow.file), "size": cow.size}} if cow else {})}
             write_durably(spec.workdir / "vm.json", json.dumps(info).encode())
