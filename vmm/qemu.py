@@ -21,15 +21,15 @@ The command line (see vmm/guest/README.md for why each piece):
 
 A restored guest's RAM is mapped copy-on-write from BASE, the read-only
 memory layer on the mount that its RAM upper layer sits on: VMs restored
-from one snapshot share the pages none of them wrote. Its snapshot saves
-device state alone (QMP `xen-save-devices-state`) and writes the pages the
-guest wrote into the RAM upper layer (vmm/cowmemory.py); vmm/guest/README.md
-has the details. A booted guest's RAM is its RAM file, mapped shared
-(`mem-path=RAMFILE,share=on`); its snapshot is a migration stream that
-skips it (`x-ignore-shared`), handed to QEMU as an open file (QMP `getfd`,
-`fd:` URI; QEMU 7.2 has no `file:` URI), and a restore from that keeps
-`-kernel` and `-initrd` (the stream's ROM contents must match them) and the
-configuration section.
+from one snapshot share the pages none of them wrote, and a snapshot writes
+the pages the guest wrote into the RAM upper layer (vmm/cowmemory.py). A
+booted guest's RAM is its RAM file, mapped shared (`mem-path=RAMFILE,share=on`).
+Either way a snapshot saves device state alone (QMP
+`xen-save-devices-state`; vmm/guest/README.md has the details). A VM
+without a RAM file saves a migration stream, handed to QEMU as an open file
+(QMP `getfd`, `fd:` URI; QEMU 7.2 has no `file:` URI); restoring a stream
+(snapshots stored before device state alone) keeps `-kernel` and `-initrd`,
+whose ROM contents the stream holds, and its configuration section.
 
 The disk is opened with cache=none (O_DIRECT), the path the FUSE mount is
 fastest on. QEMU runs in the work directory and binds its sockets there by
@@ -114,12 +114,15 @@ class QemuVm:
     `proc` is None: another process of ours started it and may have exited).
     Every call opens its own QMP connection (see the module docstring)."""
 
-    def __init__(self, pid: int, workdir: Path, agent: Agent, *, ram_in_file: bool, cow: CowRam | None = None,
-                 proc: subprocess.Popen | None = None, qmp_timeout: float = 30.0) -> None:
+    def __init__(self, pid: int, workdir: Path, agent: Agent, *, ram_in_file: bool, devices_only: bool = False,
+                 cow: CowRam | None = None, proc: subprocess.Popen | None = None, qmp_timeout: float = 30.0) -> None:
         self.proc = proc
         self.pid = pid
         self.workdir = workdir
         self.ram_in_file = ram_in_file
+        # its RAM reaches its file (mapped shared, or written back from a
+        # copy-on-write mapping): state is saved as device state alone
+        self.devices_only = devices_only
         self.cow = cow
         self.agent = agent
         self.qmp_timeout = qmp_timeout
@@ -159,19 +162,20 @@ class QemuVm:
             self.cow.forget()  # a pre-copy whose capture never came
 
     def save_state(self, path: Path) -> None:
-        """Device state to `path`. RAM mapped copy-on-write: the device state
+        """Device state to `path`. RAM that reaches its file: the device state
         alone (QMP `xen-save-devices-state`, which despite its name is any
-        QEMU's), then the changed pages written back. RAM in a shared file:
-        a migration stream that skips it (`x-ignore-shared`)."""
+        QEMU's), then, if RAM is mapped copy-on-write, the changed pages
+        written back. Otherwise a migration stream, RAM and all."""
         with self._qmp() as qmp:
             if qmp.execute("query-status")["status"] not in ("paused", "postmigrate"):
                 raise VmmError("save_state needs a paused VM")
-            if self.cow is not None:
+            if self.devices_only:
                 qmp.execute("xen-save-devices-state", {"filename": os.path.abspath(path), "live": False})
-                self._write_back(precopy=False)
+                if self.cow is not None:
+                    self._write_back(precopy=False)
                 return
             qmp.execute("migrate-set-parameters", {"max-bandwidth": 8 << 30})
-            if self.ram_in_file:  # RAM lives in its file: stream device state only
+            if self.ram_in_file:  # a RAM file mapped privately: only the capability must match the restore's
                 qmp.execute("migrate-set-capabilities",
                             {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
             qmp.execute("migrate", {"uri": _state_fd(qmp, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)})
@@ -366,11 +370,13 @@ class QemuBackend:
                     raise VmmError(f"the VM exited (status {proc.returncode}) before its agent answered") from None
                 raise
             cow = _cow_ram(spec)
-            info = {"pid": proc.pid, "ram_in_file": spec.memory_file is not None,
+            in_file = spec.memory_file is not None
+            devices = in_file and (spec.memory_shared or cow is not None)
+            info = {"pid": proc.pid, "ram_in_file": in_file, "devices_only": devices,
                     **({"cow": {"base": str(cow.base), "file": str(cow.file), "size": cow.size}} if cow else {})}
             write_durably(spec.workdir / "vm.json", json.dumps(info).encode())
             qmp.close()  # the VM's handle connects per call
-            return QemuVm(proc.pid, spec.workdir, agent, ram_in_file=spec.memory_file is not None, cow=cow, proc=proc)
+            return QemuVm(proc.pid, spec.workdir, agent, ram_in_file=in_file, devices_only=devices, cow=cow, proc=proc)
         except BaseException as exc:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -406,7 +412,7 @@ class QemuBackend:
             raise VmmError(f"the VM (pid {pid}) is no longer running")
         cow = info.get("cow")
         return QemuVm(pid, workdir, Agent(workdir / "agent.sock"), ram_in_file=bool(info["ram_in_file"]),
-                      cow=CowRam(Path(cow["base"]), Path(cow["file"]), int(cow["size"])) if cow else None,
+                      devices_only=bool(info.get("devices_only")), cow=CowRam(Path(cow["base"]), Path(cow["file"]), int(cow["size"])) if cow else None,
                       qmp_timeout=max(timeout, 30.0))
 
     def _recorded_pid(self, workdir: Path) -> int | None:
