@@ -80,6 +80,9 @@ class Handle:
     last_end: int = -1
     pin_owner: object = None
     writable: bool = False  # opened for writing: its close flushes the disk
+    # a read-only file opened read-write: a VMM mapping it privately, as a
+    # restored guest's RAM (vmm/cowmemory.py), faulted in no order
+    guest_ram: bool = False
 
 
 def contained(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -355,7 +358,8 @@ class StrataFS(pyfuse3.Operations):
         if flags & os.O_TRUNC:
             raise pyfuse3.FUSEError(errno.EPERM)
         fh = next(self._next_fh)
-        handle = Handle(node, writable=bool(flags & (os.O_WRONLY | os.O_RDWR)))
+        writable = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        handle = Handle(node, writable=writable, guest_ram=writable and not node.writable)
         self._handles[fh] = handle
         view = node.upper.lower if node.upper is not None else node.view
         if view is not None:
@@ -379,7 +383,7 @@ class StrataFS(pyfuse3.Operations):
         # thread hop (~0.2 ms here, milliseconds while the node seals).
         ready = self._read_ready(node, off, size)
         if ready is not None:
-            if off == handle.last_end:
+            if off == handle.last_end and not handle.guest_ram:
                 self._read_ahead(node, off + len(ready))
             handle.last_end = off + len(ready)
             return ready
@@ -391,7 +395,7 @@ class StrataFS(pyfuse3.Operations):
         except OSError as exc:
             log.error("read of %s failed: %s", self._path(node), exc)
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
-        if off == handle.last_end:
+        if off == handle.last_end and not handle.guest_ram:
             self._read_ahead(node, off + len(data))
         handle.last_end = off + len(data)
         return data
@@ -407,7 +411,8 @@ class StrataFS(pyfuse3.Operations):
     def _read_ahead(self, node: Node, end: int) -> None:
         """Fetch the chunks after a run of reads that ended at `end`.
 
-        Not for a sandbox's RAM (its volatile upper layer): a guest faults its
+        Not for a sandbox's RAM (its volatile upper layer, or the layer a
+        restored guest maps copy-on-write: `Handle.guest_ram`): a guest faults its
         pages in no order, and the kernel's read-around of a fault, as long
         as the mount's read-ahead, looks like such a run. What a restore
         needs there is its recorded working set; read-ahead only added

@@ -14,7 +14,9 @@ by content). Stored at `snapshots/<id>` as canonical JSON:
       "vm": {"backend": "qemu", "cmdline": "console=ttyS0 ...", "cpus": 1,
              "initrd": "<layer id>", "kernel": "<layer id>", "memory_mib": 256,
              "nic": true,                       optional: the VM had a network card
-             "volume_port": true}               optional: ... the volume port (vmm/volumeport.py)
+             "volume_port": true,               optional: ... the volume port (vmm/volumeport.py)
+             "devices_only": true}              optional: the state layer is device state alone
+                                                (no RAM, no ROM: vmm/qemu.py)
     }
 
 A snapshot of a sandbox with volumes mounted names them in its annotations
@@ -41,7 +43,7 @@ LAYER_ROLES = ("disk", "memory", "state")
 VM_INT_FIELDS = ("cpus", "memory_mib")
 VM_STR_FIELDS = ("backend", "cmdline")
 VM_LAYER_FIELDS = ("kernel", "initrd")
-VM_OPTIONAL_BOOL_FIELDS = ("nic", "volume_port")  # absent = false (snapshots from before they existed)
+VM_OPTIONAL_BOOL_FIELDS = ("nic", "volume_port", "devices_only")  # absent = false (snapshots from before they existed)
 
 
 SNAPSHOT_PREFIX = "snapshots/"

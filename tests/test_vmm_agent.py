@@ -247,6 +247,21 @@ def test_bad_requests_get_errors_and_the_agent_stays_up(guest_agent: PtyAgent) -
     assert guest_agent.run("echo alive", timeout=10).output == "alive\n"
 
 
+def test_reseed_is_refused_short_and_an_agent_too_old_for_it_is_an_error(guest_agent: PtyAgent,
+                                                                          tmp_path: Path) -> None:
+    assert guest_agent.version >= 3
+    with pytest.raises(GuestRefused, match="32 to 4096 bytes"):  # asked with an id, the refusal comes back
+        guest_agent.call("reseed", data=base64.b64encode(b"short").decode(), timeout=10)
+    assert guest_agent.run("echo alive", timeout=10).output == "alive\n"
+    scripted_guest(tmp_path / "old.sock", lambda req: [])  # its hello says no version
+    old = Agent(tmp_path / "old.sock")
+    try:
+        with pytest.raises(AgentError, match="predates reseed"):
+            old.reseed(os.urandom(64), timeout=5)
+    finally:
+        old.close()
+
+
 # --- the host against a hostile guest ---------------------------------------------
 
 

@@ -177,6 +177,8 @@ def test_save_is_safe_from_many_threads_and_leaves_no_temp_files(tmp_path: Path,
 class FakeVm:
     """Checks, whenever it is controlled, that its sandbox's lock is held."""
 
+    devices_only = False
+
     def __init__(self, lock_file: Path, pid: int) -> None:
         self.lock_file = lock_file
         self.pid = pid

@@ -76,6 +76,10 @@ def test_precopy_capture_publish_seal_both_layers_and_chain_the_snapshots(tmp_pa
     record.last_snapshot = first
     second = snaps.publish(record, work, "pause", {})
     assert snaps.store.get_snapshot(second).parent == first
+    assert "devices_only" not in snaps.store.get_snapshot(second).vm
+    record.last_snapshot = second
+    third = snaps.publish(record, work, "", {}, devices_only=True)  # a restore must leave the boot files out
+    assert snaps.store.get_snapshot(third).vm["devices_only"] is True
     assert snaps.store.get_snapshot(second).annotations["implicit"] == "pause"
     snaps.store.delete_snapshot(second)
     record.last_snapshot = second  # deleted since: the next one starts a new chain

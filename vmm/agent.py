@@ -48,6 +48,7 @@ MAX_IN_FLIGHT = 512  # requests open at once on one sandbox
 QUEUE_REPLIES = 1024  # replies buffered per request before its stream is dropped
 WRITE_BLOCK = 1 << 20  # bytes of a file per write message (sent raw after its line)
 HELLO_EVERY = 0.25  # seconds between hellos while the guest has not answered
+RESEED_VERSION = 3  # the agent protocol that has `reseed`
 SEND_TIMEOUT = 30.0  # a guest that takes no input for this long is stuck
 # QEMU's port takes one client: a second one's hellos wait unanswered.
 BUSY_HINT = " (is another process, such as strata serve, connected to this sandbox's agent?)"
@@ -360,6 +361,7 @@ class Agent:
         self._conn: _Conn | None = None
         self._lock = threading.Lock()
         self.boot = ""  # the guest agent's boot token: changes when the guest rebooted
+        self.version = 0  # the guest agent's protocol version (its hello's "strata-agent N")
 
     def _open(self, deadline: float) -> Any:
         """A connected socket-like object (sendall, recv, settimeout, close)."""
@@ -401,6 +403,7 @@ class Agent:
                     raise AgentTimeout(f"guest agent did not answer{BUSY_HINT}") from None
                 continue
             self.boot = str(reply.get("boot", ""))
+            self.version = _version(reply.get("version"))
             return
 
     def wait_ready(self, timeout: float = 60.0) -> float:
@@ -481,9 +484,15 @@ class Agent:
             raise AgentError(f"guest agent sent malformed metrics: {str(m)[:80]!r}") from None
 
     def reseed(self, seed: bytes, *, timeout: float = 10.0) -> None:
-        """Mix `seed` into the guest kernel's entropy pool and rekey its CRNG
-        (vmm/guest/agent/random.go says why)."""
-        self.call("reseed", data=base64.b64encode(seed).decode(), timeout=timeout)
+        """Have the guest credit `seed` to its kernel's entropy pool and
+        rekey its CRNG (vmm/guest/agent/random.go says why). Not waited
+        for: the agent applies it before any request sent after it; a guest
+        that fails it says so on its console. AgentError if the agent
+        predates it."""
+        self._connection(time.monotonic() + timeout)  # its hello tells the version
+        if self.version < RESEED_VERSION:
+            raise AgentError(f"the guest agent (protocol {self.version}) predates reseed")
+        self.send("reseed", data=base64.b64encode(seed).decode())
 
     def send_input(self, pid: int, data: bytes, *, timeout: float = 30.0) -> None:
         self.call("input", timeout=timeout, pid=pid, data=base64.b64encode(data).decode())
@@ -641,3 +650,9 @@ def _int(reply: dict[str, Any], key: str) -> int:
         return int(reply.get(key) or 0)
     except (TypeError, ValueError):
         raise AgentError(f"guest agent sent a malformed {key}: {str(reply.get(key))[:40]!r}") from None
+
+
+def _version(text: object) -> int:
+    """N of an agent's "strata-agent N" (0 if it says anything else)."""
+    name, _, number = str(text or "").partition(" ")
+    return int(number) if name == "strata-agent" and number.isdigit() and len(number) < 6 else 0

@@ -42,6 +42,9 @@ class VmSpec:
     cpus: int = 1
     cmdline: str = DEFAULT_CMDLINE
     incoming: Path | None = None  # device state to restore instead of booting
+    # `incoming` is device state alone (a `Vm.devices_only` save): no RAM, no
+    # ROM contents, no boot files to match (vmm/qemu.py)
+    incoming_devices_only: bool = False
     # Guest RAM as a file: the sandbox's RAM upper layer on the mount
     # (sandboxes/<sid>.mem/disk.img), so a snapshot seals RAM as a chunked
     # layer (only the chunks dirtied since the last one) and the state stream
@@ -73,7 +76,8 @@ class Vm(Protocol):
     - `pause`/`resume` stop and continue the vCPUs;
     - `save_state(path)` requires a paused VM and writes its device state to
       `path`; its memory is then in `VmSpec.memory_file`, which the caller
-      flushes and seals;
+      flushes and seals; `devices_only` says the state is device state
+      alone, which a restore must be told (`VmSpec.incoming_devices_only`);
     - `sync_memory()` writes guest memory the VMM holds elsewhere into
       `VmSpec.memory_file` while the guest may run (a pre-copy: the
       `save_state` that follows completes it); a no-op where guest writes
@@ -84,6 +88,7 @@ class Vm(Protocol):
 
     pid: int
     agent: Agent
+    devices_only: bool
 
     def pause(self) -> None: ...
 

@@ -194,6 +194,8 @@ class FirecrackerVm:
                                           "mem_file_path": os.path.abspath(memory)},
                      timeout=self.snapshot_timeout)
 
+    devices_only = False  # save_state writes guest memory too
+
     def sync_memory(self) -> None:
         """Nothing: guest memory reaches its file only through `save_state`."""
 

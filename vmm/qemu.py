@@ -206,20 +206,6 @@ class QemuVm:
         self.agent.close()
 
 
-def devices_only(state: Path) -> bool:
-    """Whether a state file holds device state alone (`xen-save-devices-state`)
-    rather than a migration stream: after the stream's magic and version,
-    a migration opens with its configuration section (type 7)."""
-    try:
-        with open(state, "rb") as f:
-            head = f.read(9)
-    except OSError as exc:
-        raise VmmError(f"reading VM state {state}: {exc.strerror}") from None
-    if len(head) < 9 or head[:8] != b"QEVM\x00\x00\x00\x03":
-        raise VmmError(f"VM state {state} is not a QEMU state stream")
-    return head[8] != 7
-
-
 STATE_FD = "strata-state"  # the name a state file's descriptor gets in QEMU (QMP getfd)
 
 
@@ -291,7 +277,7 @@ class QemuBackend:
         # section to expect, and no ROM or RAM for the boot files to match:
         # a restore from it leaves them out, and with them the kernel image
         # QEMU would otherwise hold in memory (14 MiB) for the VM's life.
-        devices = spec.incoming is not None and devices_only(spec.incoming)
+        devices = spec.incoming is not None and spec.incoming_devices_only
         boot = [] if devices else ["-kernel", str(spec.kernel), "-initrd", str(spec.initrd), "-append", spec.cmdline]
         argv = [
             self.binary, "-M", machine, "-m", str(spec.memory_mib), "-smp", str(spec.cpus), *memory,
@@ -411,9 +397,9 @@ class QemuBackend:
         if not _owns(pid, workdir):
             raise VmmError(f"the VM (pid {pid}) is no longer running")
         cow = info.get("cow")
+        ram = CowRam(Path(cow["base"]), Path(cow["file"]), int(cow["size"])) if cow else None
         return QemuVm(pid, workdir, Agent(workdir / "agent.sock"), ram_in_file=bool(info["ram_in_file"]),
-                      devices_only=bool(info.get("devices_only")), cow=CowRam(Path(cow["base"]), Path(cow["file"]), int(cow["size"])) if cow else None,
-                      qmp_timeout=max(timeout, 30.0))
+                      devices_only=bool(info.get("devices_only")), cow=ram, qmp_timeout=max(timeout, 30.0))
 
     def _recorded_pid(self, workdir: Path) -> int | None:
         try:

@@ -212,7 +212,8 @@ class Sandboxes(Machines):
                 if resume:  # the sealed generations are frozen: the guest writes to new ones while they publish
                     sandbox.vm.resume()
             timings["paused"] = time.monotonic() - paused
-            snapshot_id = self.snapshots.publish(record, sandbox.workdir, implicit, timings)
+            snapshot_id = self.snapshots.publish(record, sandbox.workdir, implicit, timings,
+                                                 devices_only=sandbox.vm.devices_only)
         except BaseException:
             self._after_failed_snapshot(sandbox, resume)
             raise
@@ -274,6 +275,7 @@ class Sandboxes(Machines):
             disk=self.paths.sandbox(work.name), workdir=work,
             memory_mib=int(snap.vm["memory_mib"]), cmdline=str(snap.vm["cmdline"]),  # type: ignore[arg-type]
             memory_file=self._memory_path(work.name), incoming=self.paths.snapshot(snapshot_id, "state"),
+            incoming_devices_only=bool(snap.vm.get("devices_only")),
             volume_port=bool(snap.vm.get("volume_port")))
 
     def suspend(self, sid: str) -> str:

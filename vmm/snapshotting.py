@@ -130,7 +130,8 @@ class Snapshotting:
         self._seal_layers(sid)
         return {"capture": time.monotonic() - t0}
 
-    def publish(self, record: SandboxRecord, workdir: Path, implicit: str, timings: dict[str, float]) -> str:
+    def publish(self, record: SandboxRecord, workdir: Path, implicit: str, timings: dict[str, float], *,
+                devices_only: bool = False) -> str:
         """The rest, which the guest need not wait for: the seals published,
         device state stored (beside them), the snapshot written (`implicit`:
         why the sandbox took it for its own sake, "" if asked for). Adds the
@@ -149,7 +150,8 @@ class Snapshotting:
             vm={"backend": self.backend, "cmdline": DEFAULT_CMDLINE, "cpus": 1, "memory_mib": record.memory_mib,
                 "kernel": self.boot_layer("vmlinuz"), "initrd": self.boot_layer("initramfs.cpio.gz"),
                 **({"nic": True} if record.network is not None else {}),
-                **({"volume_port": True} if record.volume_port else {})},
+                **({"volume_port": True} if record.volume_port else {}),
+                **({"devices_only": True} if devices_only else {})},
             parent=self._existing_snapshot(record.last_snapshot),
             annotations={"sandbox": sid, "team": record.team, **({"implicit": implicit} if implicit else {}),
                          **({"volumes": json.dumps(record.volumes, sort_keys=True)} if record.volumes else {})},

@@ -28,8 +28,8 @@ import (
 )
 
 const (
-	version      = "strata-agent 2"
-	maxLine      = 8 << 20 // a request line longer than this is dropped
+	version      = "strata-agent 3" // 3: reseed
+	maxLine      = 8 << 20          // a request line longer than this is dropped
 	portName     = "strata.agent"
 	outboxLength = 64 // replies queued for the port before senders wait
 )
@@ -260,7 +260,9 @@ func (a *Agent) handle(line []byte, r *bufio.Reader) {
 	case "hello":
 		a.hello(&req)
 	// In order, on the reader: these must not overtake each other.
-	case "input", "close_stdin", "write", "open", "close", "resize", "signal", "cancel":
+	// reseed too: the host sends it unanswered after a restore, and
+	// nothing it asks after may run before the kernel is reseeded.
+	case "input", "close_stdin", "write", "open", "close", "resize", "signal", "cancel", "reseed":
 		if err := a.ordered(&req); err != nil {
 			a.sendError(req.ID, err)
 		}
@@ -316,6 +318,10 @@ func (a *Agent) ordered(req *Request) error {
 		return err
 	case "cancel":
 		a.stopStream(req.Target)
+	case "reseed": // random.go
+		if err = reseed(req.Data); err != nil {
+			fmt.Fprintf(os.Stderr, "strata-agent: reseed: %v\n", err)
+		}
 	}
 	if err == nil {
 		a.send(&Reply{ID: req.ID, End: true})
@@ -349,10 +355,6 @@ func (a *Agent) concurrent(req *Request) {
 		}
 	case "read":
 		err = a.files.read(a, req)
-	case "reseed": // random.go
-		if err = reseed(req.Data); err == nil {
-			a.send(&Reply{ID: req.ID, End: true})
-		}
 	case "mount_volume": // volfs.go
 		if err = mountVolume(req.Volume, req.Path); err == nil {
 			a.send(&Reply{ID: req.ID, End: true})
