@@ -1,8 +1,8 @@
 """Export an image from the store to a raw file, bit-exact and sparse.
 
 Chunks are fetched and verified in a thread pool (zstd and blake3 release the
-GIL) and written with pwrite at their offsets; holes are never written, so the
-output is sparse. The file is built under a temporary name beside the target
+GIL) and written with pwrite at their offsets, each window's writeback started
+at once; holes are never written, so the output is sparse. The file is built under a temporary name beside the target
 and renamed into place only when complete and fsynced: an interrupted export
 never leaves a plausible-looking but wrong image behind.
 """
@@ -103,6 +103,11 @@ def export_image(
                     while view:
                         written = os.pwrite(fd, view, offset)
                         view, offset = view[written:], offset + written
+                # Start writing the window out now (and let its pages go once
+                # written): left to the final fsync, dirty pages piled up until
+                # the kernel throttled every pwrite to the disk's pace, and an
+                # export ran at 360 MB/s where the disk takes 1.3 GB/s.
+                os.posix_fadvise(fd, part[0] * cs, (part[-1] + 1 - part[0]) * cs, os.POSIX_FADV_DONTNEED)
                 if progress:
                     reached = min(top.size, (part[-1] + 1) * cs)
                     progress(reached - done)
