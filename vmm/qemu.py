@@ -334,8 +334,9 @@ class QemuBackend:
         try:
             qmp = QMP(spec.workdir / "qmp.sock", timeout=30)
             if spec.incoming is not None and spec.memory_file is not None:
-                qmp.execute("migrate-set-capabilities",
-                            {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+                if not spec.incoming_devices_only:  # a migration stream's RAM section must match the source's
+                    qmp.execute("migrate-set-capabilities",
+                                {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
                 qmp.execute("migrate-incoming", {"uri": _state_fd(qmp, spec.incoming, os.O_RDONLY)})
             if spec.incoming is not None:
                 deadline = time.monotonic() + ready_timeout
