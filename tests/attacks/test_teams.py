@@ -82,3 +82,36 @@ def test_another_teams_idempotency_key_makes_the_attackers_own_sandbox(lab: Lab)
         lab.alpha.delete(f"/sandboxes/{first.json()['sandboxID']}")
         if mine.status_code == 201:
             lab.beta.delete(f"/sandboxes/{mine.json()['sandboxID']}")
+
+
+def test_a_sandbox_of_a_shared_template_cannot_predict_anothers_randomness(lab: Lab) -> None:
+    """attacker: team beta, starting sandboxes from the public template alpha
+    starts from too.  target: the random bytes alpha's sandbox makes (keys,
+    tokens), which every restore of one snapshot would share with the same
+    kernel random state.  attempt: read /dev/urandom in beta's sandbox
+    right after alpha reads in its own.  must: different bytes."""
+    from tests.attacks.test_images import strata
+
+    r = lab.alpha.post("/sandboxes", json={"templateID": "guest:alpha", "timeout": 600})
+    assert r.status_code == 201, r.text
+    source = r.json()["sandboxID"]
+    made = [source]
+    try:  # /dev/random answers once the kernel's random state is ready: it is what the snapshot then keeps
+        assert lab.alpha.post(f"/sandboxes/{source}/exec", json={"command": "head -c 1 /dev/random | wc -c"}
+                              ).json()["output"] == "1\n"
+        r = lab.alpha.post(f"/sandboxes/{source}/snapshots", json={})
+        assert r.status_code == 201, r.text
+        strata(lab.node.env, "template", "create", "shared-random", "--snapshot", r.json()["snapshotID"], "--public",
+               "--json")
+        read = "head -c 32 /dev/urandom | md5sum"
+        seen = []
+        for client in (lab.alpha, lab.beta):
+            r = client.post("/sandboxes", json={"templateID": "shared-random", "timeout": 600})
+            assert r.status_code == 201, r.text
+            sid = r.json()["sandboxID"]
+            made.append(sid)
+            seen.append(client.post(f"/sandboxes/{sid}/exec", json={"command": read}).json()["output"])
+        assert len(set(seen)) == 2 and all(len(s.split()[0]) == 32 for s in seen), seen
+    finally:
+        for sid, client in zip(made, (lab.alpha, lab.alpha, lab.beta)):
+            client.delete(f"/sandboxes/{sid}")
