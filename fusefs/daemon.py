@@ -30,6 +30,7 @@ import pyfuse3
 import trio
 
 from layerstore.errors import InvalidInput, StrataError
+from layerstore.malloc import keep_freed_memory, warm_heap
 from layerstore.refs import parse_ref
 from layerstore.store import open_store
 from layerstore.unixsock import bind_unix, connect_unix
@@ -38,7 +39,6 @@ from .cache import ChunkCache
 from .catalogue import RECENT, Catalogue
 from .control import MountSettings, check_mountpoint, control_socket
 from .fs import StrataFS
-from .malloc import keep_freed_memory, warm_heap
 from .paths import MountPaths
 from .protocol import (MAX_LINE, AwaitSeal, CacheDrop, CacheDropped, CreateDisk, DiskInfo, DiskList, DiskRemoved,
                        Handlers, ListDisks, MountStats, Pin, Pinned, Ping, Pong, Prefetch, PrefetchRecorded,

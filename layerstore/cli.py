@@ -22,6 +22,12 @@ if TYPE_CHECKING:  # the store's modules load when a command opens one: `strata 
 
 
 def _store(args: argparse.Namespace, ctx: StoreContext) -> Store:
+    """This node's store, for a command that may move chunks in bulk: such a
+    command allocates and frees a buffer per chunk, so the heap keeps what
+    it freed (layerstore/malloc.py; the process ends with the command)."""
+    from .malloc import keep_freed_memory
+
+    keep_freed_memory()
     return ctx.open_store(level=getattr(args, "level", None))
 
 

@@ -1,4 +1,4 @@
-"""fusefs/malloc.py: freed chunk-sized buffers stay in the heap."""
+"""layerstore/malloc.py: freed chunk-sized buffers stay in the heap."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = textwrap.dedent("""
     import resource, sys
     sys.path.insert(0, sys.argv[1])
-    from fusefs.malloc import keep_freed_memory
+    from layerstore.malloc import keep_freed_memory
     data = bytes(range(256)) * 4096  # 1 MiB
 
     def faults_per_copy():
@@ -39,7 +39,7 @@ def test_after_keep_freed_memory_a_1_mib_buffer_is_reused_not_faulted_in_again()
 KEEP = textwrap.dedent("""
     import resource, sys, threading
     sys.path.insert(0, sys.argv[1])
-    from fusefs.malloc import keep_freed_memory, warm_heap
+    from layerstore.malloc import keep_freed_memory, warm_heap
     data = bytes(range(256)) * 4096  # 1 MiB
     if sys.argv[2] == "warm":
         assert keep_freed_memory()
