@@ -1,0 +1,92 @@
+"""layerstore/directio.py: large writes around the page cache, the same bytes either way."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from layerstore.directio import ALIGN, SMALL, AlignedBuffers, DirectFile
+
+MiB = 1 << 20
+
+
+def _accepts_direct(directory: Path) -> bool:
+    probe = directory / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+def _cached_pages(path: Path) -> int:
+    """Pages of `path` in the page cache, by util-linux's fincore (mincore(2))."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.strip()) // 4096
+
+
+def _pieces(seed: int) -> list[tuple[int, bytes]]:
+    """Writes of every shape: aligned and not, small and large, with a short tail."""
+    rng = random.Random(seed)
+    shapes = [(0, MiB), (MiB, MiB + 1000), (3 * MiB, 100), (3 * MiB + 4096, SMALL), (4 * MiB + 17, 2 * MiB),
+              (7 * MiB, 3 * MiB - 5)]
+    return [(offset, rng.randbytes(length)) for offset, length in shapes]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_writes_of_every_shape_from_many_threads_land_exactly(tmp_path: Path, direct: bool) -> None:
+    pieces = _pieces(1)
+    path = tmp_path / "out"
+    with DirectFile(path, os.O_CREAT | os.O_EXCL, buffers=AlignedBuffers(), direct=direct) as f:
+        assert f.direct is (direct and _accepts_direct(tmp_path))
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda piece: f.pwrite(piece[1], piece[0]), pieces))
+        f.fsync()
+    expected = bytearray(max(offset + len(data) for offset, data in pieces))
+    for offset, data in pieces:
+        expected[offset:offset + len(data)] = data
+    assert path.read_bytes() == expected
+
+
+def test_a_direct_write_leaves_only_its_unaligned_tail_in_the_page_cache(tmp_path: Path) -> None:
+    if not _accepts_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: nothing goes around its page cache")
+    data = os.urandom(8 * MiB + 100)
+    cached = {}
+    for direct in (True, False):
+        path = tmp_path / f"direct-{direct}"
+        with DirectFile(path, os.O_CREAT | os.O_EXCL, buffers=AlignedBuffers(), direct=direct) as f:
+            f.pwrite(data, 0)
+            f.fsync()
+        cached[direct] = _cached_pages(path)
+        assert path.read_bytes() == data
+    assert cached[True] <= 1  # the 100-byte tail went buffered
+    assert cached[False] >= 8 * MiB // 4096
+
+
+def test_a_thread_buffer_grows_to_the_largest_block_and_is_page_aligned() -> None:
+    buffers = AlignedBuffers()
+    small = buffers.holding(b"x" * 10)
+    assert bytes(small) == b"x" * 10
+    big = buffers.holding(b"y" * (3 * MiB + 1))
+    assert len(big) == 3 * MiB + 1 and bytes(big[-1:]) == b"y"
+    assert len(buffers.buffer) % ALIGN == 0 and len(buffers.buffer) >= 3 * MiB + 1
+    assert bytes(small) == b"x" * 10  # a view of the old buffer stays valid
+
+
+def test_an_existing_file_is_refused_with_o_excl_and_nothing_is_left_open(tmp_path: Path) -> None:
+    path = tmp_path / "there"
+    path.write_bytes(b"keep")
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileExistsError):
+        DirectFile(path, os.O_CREAT | os.O_EXCL, buffers=AlignedBuffers())
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert path.read_bytes() == b"keep"
