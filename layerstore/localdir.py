@@ -9,7 +9,8 @@ On-disk layout of a local store directory:
       catalog/            LMDB catalog (layerstore/catalog.py), not objects
       .conditional.lock   flock(2)ed by put_if, so compare-and-put is one step
 
-`put` writes a temp file in tmp/ (same filesystem), fsyncs it, renames it into
+`put` writes a temp file in tmp/ (same filesystem; a large object around the
+page cache), fsyncs it, renames it into
 place and fsyncs the directory, so an object is either whole and durable or
 absent, whatever moment the process dies at. `put_new` links the temp file
 into place instead, which fails if the key exists.
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .backend import ObjectInfo, ObjectVersion, check_key
+from .directio import SMALL, AlignedBuffers, DirectFile
 from .errors import AccessDenied, BackendError, InvalidInput, NotFound
 
 MARKER = "strata-store 1\n"
@@ -52,6 +54,7 @@ class LocalDirBackend:
         self._fsync = fsync
         self._known_dirs: set[Path] = set()
         self._lock = threading.Lock()
+        self._buffers = AlignedBuffers()
         marker = self.root / "STRATA"
         if marker.exists():
             if marker.read_text() != MARKER:
@@ -96,20 +99,18 @@ class LocalDirBackend:
             raise _os_error(exc, f"writing {key}") from None
 
     def _write_aside(self, key: str, data: bytes) -> Path:
-        """`data` in a temp file of the store (synced), ready to be renamed or linked into place."""
+        """`data` in a temp file of the store (synced), ready to be renamed or
+        linked into place. Large objects (chunks, packs) go around the page
+        cache (layerstore/directio.py): copying them in was most of an
+        import's system time on this host (1 GiB: 1.0-1.2 s -> 0.3-0.45 s)."""
         path = self._path(key)
         tmp = self._tmp / f"{path.name}.{uuid.uuid4().hex}"
         try:
             self._ensure_dir(path.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+            with DirectFile(tmp, os.O_CREAT | os.O_EXCL, buffers=self._buffers, direct=len(data) >= SMALL) as f:
+                f.pwrite(data, 0)
                 if self._fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                    f.fsync()
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise _os_error(exc, f"writing {key}") from None
