@@ -27,6 +27,7 @@ import threading
 
 ALIGN = 4096  # the largest logical block size we align for (memory, offsets, lengths)
 SMALL = 64 * 1024  # below this a write is all page cache's: nothing to gain direct
+PIECE = 4 << 20  # the most a direct write copies at once: each thread's buffer stays this small
 
 
 class AlignedBuffers(threading.local):
@@ -83,17 +84,20 @@ class DirectFile:
             view, offset = view[written:], offset + written
 
     def _write_direct(self, view: memoryview, offset: int) -> bool:
-        """The aligned `view` written direct; False (nothing written) where the device refuses it."""
-        aligned = self.buffers.holding(view)
-        try:
-            while aligned:
-                written = os.pwrite(self.direct_fd, aligned, offset)
-                aligned, offset = aligned[written:], offset + written
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or len(aligned) != len(view):
-                raise
-            self._refused = True  # blocks above ALIGN (the descriptor stays open: other threads may hold it)
-            return False
+        """The aligned `view` written direct, PIECE by PIECE; False (nothing
+        written) where the device refuses it."""
+        for start in range(0, len(view), PIECE):
+            aligned = self.buffers.holding(view[start:start + PIECE])
+            at = offset + start
+            try:
+                while aligned:
+                    written = os.pwrite(self.direct_fd, aligned, at)
+                    aligned, at = aligned[written:], at + written
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or start or at != offset:
+                    raise
+                self._refused = True  # blocks above ALIGN (the descriptor stays open: other threads may hold it)
+                return False
         return True
 
     def fsync(self) -> None:

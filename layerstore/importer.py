@@ -232,7 +232,7 @@ class _Chunker:
                 part = indices[start : start + window]
                 hashing.append((part, [hash_pool.submit(self.read_hash, i) for i in part]))
                 while hashing and (len(hashing) > 1 or start + window >= len(indices)) and not self.errors:
-                    part, futures = hashing.popleft()
+                    ready, futures = hashing.popleft()
                     fresh = self._hash_window((f.result() for f in futures), digests, seen)
                     # local only: under this import's lease, a chunk some other store holds is not stored
                     for digest in self.store.local_missing_chunks(fresh) if fresh else set():
@@ -240,7 +240,7 @@ class _Chunker:
                         put_pool.submit(self.upload, digest, *fresh[digest])
                     del fresh, futures  # the uploads hold what they need: no window keeps the last alive
                     if progress:
-                        progress(_span_bytes(part, self.size, self.chunk_size))
+                        progress(_span_bytes(ready, self.size, self.chunk_size))
                 if self.errors:
                     break
         if self.errors:

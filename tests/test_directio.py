@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerstore.directio import ALIGN, SMALL, AlignedBuffers, DirectFile
+from layerstore.directio import ALIGN, PIECE, SMALL, AlignedBuffers, DirectFile
 
 MiB = 1 << 20
 
@@ -61,15 +61,17 @@ def test_a_direct_write_leaves_only_its_unaligned_tail_in_the_page_cache(tmp_pat
         pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: nothing goes around its page cache")
     data = os.urandom(8 * MiB + 100)
     cached = {}
+    buffers = AlignedBuffers()
     for direct in (True, False):
         path = tmp_path / f"direct-{direct}"
-        with DirectFile(path, os.O_CREAT | os.O_EXCL, buffers=AlignedBuffers(), direct=direct) as f:
+        with DirectFile(path, os.O_CREAT | os.O_EXCL, buffers=buffers, direct=direct) as f:
             f.pwrite(data, 0)
             f.fsync()
         cached[direct] = _cached_pages(path)
         assert path.read_bytes() == data
     assert cached[True] <= 1  # the 100-byte tail went buffered
     assert cached[False] >= 8 * MiB // 4096
+    assert buffers.buffer is not None and len(buffers.buffer) == PIECE  # copied a piece at a time
 
 
 def test_a_thread_buffer_grows_to_the_largest_block_and_is_page_aligned() -> None:
