@@ -41,7 +41,7 @@ class NodeContext:
         self.out = out
         self._sandboxes: Sandboxes | None = None
 
-    def open_store(self, spec: str | None = None, *, level: int | None = None) -> Store:
+    def open_store(self, spec: str | None = None, *, level: int | None = None, bulk: bool = False) -> Store:
         """The node's store (`spec` None), or another store (a push target, a
         pull source). Only the node's own store reads through peers and the
         remote: another store is opened bare."""
@@ -49,7 +49,7 @@ class NodeContext:
         from layerstore.store import open_store
 
         own = spec is None or spec == self.config.store
-        return open_store(spec or self.config.store, level=level or DEFAULT_LEVEL,
+        return open_store(spec or self.config.store, level=level or DEFAULT_LEVEL, direct_writes=bulk,
                           **self.config.store_options(own=own))
 
     def mount_client(self, mountpoint: Path | None = None) -> MountClient:

@@ -573,6 +573,28 @@ def ratios(summary: dict[tuple[str, str], Any], tools: list[str], *,
     return out
 
 
+INGEST_VS_RESTIC = 3.0  # issue 36: ingest 3x restic's speed in the same run ...
+STORED_VS_RESTIC = 1.05  # ... storing about what restic stores (at most 5% more)
+
+
+def targets(summary: dict[tuple[str, str], Any]) -> list[tuple[str, bool | None]]:
+    """Issue 36's ingest targets, each ok (True), missed (False) or not measured (None)."""
+    def ok(tool: str, step: str) -> Any:
+        r = summary.get((tool, step))
+        return r if r is not None and r.status == "ok" else None
+
+    strata, restic, export = ok("strata", "ingest_v1"), ok("restic", "ingest_v1"), ok("strata", "read_v1")
+    both = strata is not None and restic is not None
+    return [
+        (f"ingest v1 at least {INGEST_VS_RESTIC:g}x restic's speed",
+         restic.wall_s >= INGEST_VS_RESTIC * strata.wall_s if both else None),
+        (f"stored v1 at most {STORED_VS_RESTIC:g}x restic's",
+         strata.stored_bytes <= STORED_VS_RESTIC * restic.stored_bytes if both else None),
+        ("export v1 at least as fast as ingest v1",
+         export.wall_s <= strata.wall_s if strata is not None and export is not None else None),
+    ]
+
+
 def _last_line(text: str | None, limit: int = 100) -> str:
     """Last non-empty line of an error, where tools put the actual message."""
     lines = [ln for ln in (text or "").splitlines() if ln.strip()]
@@ -762,8 +784,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary, names, rat))
     print()
     print("\n".join(ratio_lines(rat)) if rat else "ratios vs strata: n/a (strata not available or failed)")
+    checks = targets(summary)
+    print("\nTargets (medians)")
+    for name, met in checks:
+        print(f"  {name:45} {'n/a (not run)' if met is None else 'ok' if met else 'MISSED'}")
     if args.json:
-        doc = {"meta": info, "images": images,
+        doc = {"meta": info, "images": images, "targets": {name: met for name, met in checks},
                "summary": [{**asdict(r), "mib_s": r.mib_s} for r in summary.values()],
                "ratios": rat, "runs": [{**asdict(r), "mib_s": r.mib_s} for r in results]}
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -24,11 +24,12 @@ if TYPE_CHECKING:  # the store's modules load when a command opens one: `strata 
 def _store(args: argparse.Namespace, ctx: StoreContext) -> Store:
     """This node's store, for a command that may move chunks in bulk: such a
     command allocates and frees a buffer per chunk, so the heap keeps what
-    it freed (layerstore/malloc.py; the process ends with the command)."""
+    it freed (layerstore/malloc.py; the process ends with the command), and
+    what it writes goes around the page cache (`bulk`)."""
     from .malloc import keep_freed_memory
 
     keep_freed_memory()
-    return ctx.open_store(level=getattr(args, "level", None))
+    return ctx.open_store(level=getattr(args, "level", None), bulk=True)
 
 
 # commands -----------------------------------------------------------------------
@@ -207,7 +208,7 @@ def _remote(given: str | None, ctx: StoreContext, flag: str) -> str:
 def cmd_push(args: argparse.Namespace, ctx: StoreContext) -> int:
     from .transfer import copy
 
-    with _store(args, ctx) as src, ctx.open_store(_remote(args.to, ctx, "--to")) as dst:
+    with _store(args, ctx) as src, ctx.open_store(_remote(args.to, ctx, "--to"), bulk=True) as dst:
         return _copy(ctx.out, args.name, "pushed",
                      lambda progress, on_total: copy(src, dst, args.name, progress=progress, on_total=on_total))
 

@@ -109,8 +109,10 @@ class StoreContext(Protocol):
     config: NodeConfig
     out: Output
 
-    def open_store(self, spec: str | None = None, *, level: int | None = None) -> Store:
-        """The store `spec` (default: the node's), opened with the node's settings."""
+    def open_store(self, spec: str | None = None, *, level: int | None = None, bulk: bool = False) -> Store:
+        """The store `spec` (default: the node's), opened with the node's
+        settings; `bulk` for a command that writes many chunks nobody reads
+        back soon (a local store then writes them around the page cache)."""
 
     def node_roots(self, store: Store) -> list[Name]:
         """What GC of `store` must keep beyond refs, templates and snapshots

@@ -9,8 +9,8 @@ On-disk layout of a local store directory:
       catalog/            LMDB catalog (layerstore/catalog.py), not objects
       .conditional.lock   flock(2)ed by put_if, so compare-and-put is one step
 
-`put` writes a temp file in tmp/ (same filesystem; a large object around the
-page cache), fsyncs it, renames it into
+`put` writes a temp file in tmp/ (same filesystem; with `direct`, a large
+object around the page cache), fsyncs it, renames it into
 place and fsyncs the directory, so an object is either whole and durable or
 absent, whatever moment the process dies at. `put_new` links the temp file
 into place instead, which fails if the key exists.
@@ -47,7 +47,11 @@ def _os_error(exc: OSError, what: str) -> Exception:
 class LocalDirBackend:
     """A `Backend` over a directory on a local filesystem."""
 
-    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, fsync: bool = True,
+                 direct: bool = False) -> None:
+        """`direct` writes large objects around the page cache (layerstore/directio.py):
+        for a bulk writer (an import, a push or pull) whose objects nobody reads
+        back soon. A node keeps the default: what it seals, its forks read at once."""
         self.root = Path(root).absolute()
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
@@ -55,6 +59,7 @@ class LocalDirBackend:
         self._known_dirs: set[Path] = set()
         self._lock = threading.Lock()
         self._buffers = AlignedBuffers()
+        self._direct = direct  # until the filesystem refuses O_DIRECT
         marker = self.root / "STRATA"
         if marker.exists():
             if marker.read_text() != MARKER:
@@ -100,14 +105,17 @@ class LocalDirBackend:
 
     def _write_aside(self, key: str, data: bytes) -> Path:
         """`data` in a temp file of the store (synced), ready to be renamed or
-        linked into place. Large objects (chunks, packs) go around the page
-        cache (layerstore/directio.py): copying them in was most of an
-        import's system time on this host (1 GiB: 1.0-1.2 s -> 0.3-0.45 s)."""
+        linked into place. With `direct`, large objects (chunks, packs) go
+        around the page cache: copying them in was most of an import's
+        system time on this host (1 GiB: 1.0-1.2 s -> 0.3-0.45 s)."""
         path = self._path(key)
         tmp = self._tmp / f"{path.name}.{uuid.uuid4().hex}"
         try:
             self._ensure_dir(path.parent)
-            with DirectFile(tmp, os.O_CREAT | os.O_EXCL, buffers=self._buffers, direct=len(data) >= SMALL) as f:
+            direct = self._direct and len(data) >= SMALL
+            with DirectFile(tmp, os.O_CREAT | os.O_EXCL, buffers=self._buffers, direct=direct) as f:
+                if direct and not f.direct:
+                    self._direct = False  # the filesystem refused O_DIRECT: not asked again
                 f.pwrite(data, 0)
                 if self._fsync:
                     f.fsync()

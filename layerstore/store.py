@@ -640,6 +640,7 @@ def open_store(
     create: bool = True,
     retry_attempts: int = 4,
     backend: Backend | None = None,
+    direct_writes: bool = False,
 ) -> Store:
     """Open the store named by `spec`, a directory path or `s3://BUCKET/PREFIX`, with its read path.
 
@@ -655,6 +656,8 @@ def open_store(
       catalog inside its directory); an s3:// `spec` without it is refused,
       since a guessed default would scatter catalogs where nobody looks.
     - `backend` substitutes a ready-made primary backend (tests inject moto).
+    - `direct_writes`: a local store writes its large objects around the
+      page cache (LocalDirBackend's `direct`), for bulk commands.
     Nothing is read from the environment: the settings come from the
     caller (the node's NodeConfig.store_options at the top).
 
@@ -679,7 +682,7 @@ def open_store(
     elif "://" in spec:
         raise InvalidInput(f"unsupported store URL {spec!r}: use a directory path or s3://BUCKET/PREFIX")
     else:
-        inner = backend or LocalDirBackend(spec, create=create)
+        inner = backend or LocalDirBackend(spec, create=create, direct=direct_writes)
         catalog_path = Path(spec) / "catalog"
     fallbacks: list[Fallback] = []
     try:

@@ -1,5 +1,6 @@
 """Shared fixtures: the three real backends every contract test runs against
-(plus the Backend wrappers, `retrying` and `read-through`, over a local one).
+(plus the Backend wrappers, `retrying` and `read-through`, over a local one,
+and `local-direct`, a local one writing large objects around the page cache).
 
 - `local`: LocalDirBackend in a temp directory.
 - `moto`: S3Backend on moto's in-process S3 (boto3 talks to moto's handlers).
@@ -36,6 +37,7 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["local", "moto", "seaweedfs"]
 WRAPPERS = ["retrying", "read-through"]  # the Backend wrappers, over a local directory
+VARIANTS = ["local-direct"]  # a local directory writing large objects around the page cache (bulk commands)
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +113,8 @@ def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> B
     """A fresh, empty backend of `kind` (a unique prefix on shared S3 servers)."""
     if kind == "local":
         return LocalDirBackend(tmp_path / "store")
+    if kind == "local-direct":
+        return LocalDirBackend(tmp_path / "store", direct=True)
     if kind == "retrying":
         from layerstore.backend import RetryingBackend
 
@@ -144,7 +148,7 @@ def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> B
     raise ValueError(kind)
 
 
-@pytest.fixture(params=BACKENDS + WRAPPERS)
+@pytest.fixture(params=BACKENDS + WRAPPERS + VARIANTS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     b = make_backend(request.param, tmp_path, request)
     yield b

@@ -92,3 +92,21 @@ def test_an_existing_file_is_refused_with_o_excl_and_nothing_is_left_open(tmp_pa
         DirectFile(path, os.O_CREAT | os.O_EXCL, buffers=AlignedBuffers())
     assert len(os.listdir("/proc/self/fd")) == before
     assert path.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_a_store_opened_for_bulk_writes_leaves_its_chunks_out_of_the_page_cache(tmp_path: Path, bulk: bool) -> None:
+    from layerstore.chunk import chunk_key
+    from layerstore.digest import digest_bytes
+    from layerstore.store import open_store
+
+    if not _accepts_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT: nothing goes around its page cache")
+    data = os.urandom(2 * MiB)  # incompressible: the chunk object is as large
+    digest = digest_bytes(data)
+    with open_store(str(tmp_path / "store"), direct_writes=bulk) as store:
+        store.write_chunk(digest, data)
+        path = tmp_path / "store" / "objects" / chunk_key(digest)
+        cached = _cached_pages(path)
+        assert store.read_chunk(digest) == data
+    assert (cached <= 1) if bulk else (cached >= 2 * MiB // 4096)
