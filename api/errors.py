@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from layerstore.errors import (AccessDenied, BackendError, BackendUnavailable, Conflict, CorruptObject, InvalidInput,
+from layerstore.errors import (BackendError, BackendUnavailable, Conflict, CorruptObject, InvalidInput,
                                MissingChunk, NotFound, StrataError)
 from vmm.agent import AgentBusy, AgentError, AgentTimeout
 from vmm.network import PoolExhausted

@@ -82,8 +82,8 @@ def export_image(
     try:
         with target:
             os.ftruncate(target.fd, top.size)
-            fetched = _write_chunks(store, target, top.size, top.chunk_size, resolved, packed, str(ref), workers=workers,
-                                    window=window, progress=progress)
+            fetched = _write_chunks(store, target, top.size, top.chunk_size, resolved, packed, str(ref),
+                                    workers=workers, window=window, progress=progress)
             target.fsync()
         os.replace(tmp, out)
     except BaseException:
@@ -119,7 +119,8 @@ def _write_chunks(store: Store, target: DirectFile, size: int, cs: int, resolved
         for index in slots:
             expected = min(cs, size - index * cs)
             if len(data) != expected:
-                raise CorruptObject(f"chunk {digest} holds {len(data)} bytes but slot {index} of {name} needs {expected}")
+                raise CorruptObject(f"chunk {digest} holds {len(data)} bytes but slot {index} of {name} "
+                                    f"needs {expected}")
             target.pwrite(data, index * cs)
 
     def landed(part: list[int], futures: list[Future[None]]) -> int:
