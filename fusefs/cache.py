@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import mmap
 import os
 import shutil
 import struct
@@ -51,9 +50,9 @@ import blake3
 import lmdb
 
 from layerstore.digest import check_digest, is_digest
+from layerstore.directio import AlignedBuffers, DirectFile
 
 _ENTRY = struct.Struct("<Qd")
-_DIO_ALIGN = 4096
 log = logging.getLogger("strata.fusefs")
 
 # Read every entry of an index in a child: exit 0 only if all of it is sound.
@@ -124,7 +123,7 @@ class ChunkCache:
                               metasync=False)
         self._db = self._env.open_db(b"entries")
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._buffers = AlignedBuffers()
         self._direct_ok = True
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._verified: set[str] = set()
@@ -314,34 +313,17 @@ class ChunkCache:
         return True
 
     def _write_file(self, path: Path, data: bytes) -> None:
-        """Write a cache file, with O_DIRECT when the length allows it.
+        """Write a cache file around the page cache where the filesystem
+        allows (layerstore/directio.py).
 
         Direct I/O skips filling the page cache with a second copy of data
         the reader already has in memory, and on virtualised hosts it costs a
         fraction of the kernel time of a buffered write (bench/fuse_read.py).
         """
-        if len(data) % _DIO_ALIGN == 0 and self._direct_ok:
-            buf = getattr(self._local, "buf", None)
-            if buf is None or len(buf) < len(data):
-                buf = self._local.buf = mmap.mmap(-1, max(len(data), 1 << 20))
-            buf.seek(0)
-            buf.write(data)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-            except OSError:  # filesystem without O_DIRECT (tmpfs): buffered from now on
-                self._direct_ok = False
-            else:
-                try:
-                    view = memoryview(buf)[: len(data)]
-                    written = os.write(fd, view)
-                    view.release()
-                    if written != len(data):
-                        raise OSError(f"short direct write to {path}")
-                finally:
-                    os.close(fd)
-                return
-        with open(path, "wb", buffering=0) as f:
-            f.write(data)
+        with DirectFile(path, os.O_CREAT | os.O_EXCL, 0o600, buffers=self._buffers, direct=self._direct_ok) as f:
+            if self._direct_ok and not f.direct:
+                self._direct_ok = False  # a filesystem without O_DIRECT: not asked again
+            f.pwrite(data, 0)
 
     def _make_room_locked(self, size: int) -> bool:
         over = self.stats.size + self._reserved + size - self.capacity
