@@ -10,6 +10,10 @@
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: $0 OUTDIR" >&2; exit 2; }
 mkdir -p "$1"; OUT=$(cd "$1" && pwd)
+# One build per OUTDIR at a time (test sessions and benches share one, and two
+# at once work in the same files): a second waits for the first to finish,
+# then rebuilds the same bytes (the outputs are reproducible).
+exec 9>"$OUT/.build.lock"; flock 9
 FILES=$(cd "$(dirname "$0")" && pwd)/files
 EPOCH=${SOURCE_DATE_EPOCH:-1700000000}
 ROOTFS_SIZE=${ROOTFS_SIZE:-64M}
