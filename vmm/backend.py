@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from layerstore.errors import StrataError
 
-from .agent import Agent
+if TYPE_CHECKING:  # the CLI imports this module for BACKENDS: not the agent's client with it
+    from .agent import Agent
 
 # After the console: what keeps an idle guest asleep. Each wake-up of an
 # emulated (TCG) CPU costs the host far more than a real one, so the
