@@ -203,13 +203,15 @@ class ChunkFetcher:
         with self._lock:
             self._whole.clear()
 
-    def read(self, digest: str, offset: int = 0, length: int = -1, *, remember: bool = True) -> bytes:
+    def read(self, digest: str, offset: int = 0, length: int = -1, *, remember: bool = True,
+             around_cache: bool = False) -> bytes:
         """Bytes [offset, offset+length) of chunk `digest` (whole chunk if
         length < 0); one read from the cache is kept in memory only if
-        `remember` (a caller reading many chunks once passes False)."""
+        `remember` (a caller reading many chunks once passes False);
+        `around_cache`: see ChunkCache.read."""
         whole = self._recall(digest)
         if whole is None:
-            data = self.cache.read(digest, offset, length)
+            data = self.cache.read(digest, offset, length, around_cache=around_cache)
             if data is not None:
                 if remember and offset == 0 and length < 0:  # asked for whole (a seal's base): likely read again soon
                     self._remember(digest, data)
