@@ -50,7 +50,7 @@ import blake3
 import lmdb
 
 from layerstore.digest import check_digest, is_digest
-from layerstore.directio import AlignedBuffers, DirectFile, pread_around_cache
+from layerstore.directio import AlignedBuffers, DirectFile
 
 _ENTRY = struct.Struct("<Qd")
 log = logging.getLogger("strata.fusefs")
@@ -223,10 +223,8 @@ class ChunkCache:
             self._touched[digest] = time.time()
             return True
 
-    def read(self, digest: str, offset: int = 0, length: int = -1, *, around_cache: bool = False) -> bytes | None:
-        """Bytes [offset, offset+length) of a cached chunk (all if length < 0),
-        or None on a miss; `around_cache` reads a large part around the page
-        cache (layerstore/directio.py: for a reader that keeps what it reads)."""
+    def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes | None:
+        """Bytes [offset, offset+length) of a cached chunk (all if length < 0), or None on a miss."""
         if not self._touch(digest):
             return None
         path = self._path(digest)
@@ -236,11 +234,11 @@ class ChunkCache:
                 self.stats.misses += 1
             return None
         try:
-            if around_cache and length >= 0:
-                data = pread_around_cache(path, length, offset, buffers=self._buffers)
-            else:
-                with open(path, "rb", buffering=0) as f:
-                    data = f.read() if length < 0 else os.pread(f.fileno(), length, offset)
+            with open(path, "rb", buffering=0) as f:
+                if length < 0:
+                    data = f.read()
+                else:
+                    data = os.pread(f.fileno(), length, offset)
         except FileNotFoundError:  # evicted between touch and open
             with self._lock:
                 self.stats.misses += 1

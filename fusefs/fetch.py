@@ -203,15 +203,13 @@ class ChunkFetcher:
         with self._lock:
             self._whole.clear()
 
-    def read(self, digest: str, offset: int = 0, length: int = -1, *, remember: bool = True,
-             around_cache: bool = False) -> bytes:
+    def read(self, digest: str, offset: int = 0, length: int = -1, *, remember: bool = True) -> bytes:
         """Bytes [offset, offset+length) of chunk `digest` (whole chunk if
         length < 0); one read from the cache is kept in memory only if
-        `remember` (a caller reading many chunks once passes False);
-        `around_cache`: see ChunkCache.read."""
+        `remember` (a caller reading many chunks once passes False)."""
         whole = self._recall(digest)
         if whole is None:
-            data = self.cache.read(digest, offset, length, around_cache=around_cache)
+            data = self.cache.read(digest, offset, length)
             if data is not None:
                 if remember and offset == 0 and length < 0:  # asked for whole (a seal's base): likely read again soon
                     self._remember(digest, data)

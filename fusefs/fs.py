@@ -83,11 +83,6 @@ class Handle:
     # a read-only file opened read-write: a VMM mapping it privately, as a
     # restored guest's RAM (vmm/cowmemory.py), faulted in no order
     guest_ram: bool = False
-    # an image read through the page cache (not O_DIRECT, not written): the
-    # FUSE file keeps what it reads, so the chunk cache's files are read
-    # around their own page cache (ChunkCache.read), not held twice. An
-    # O_DIRECT reader (a VMM's disk) keeps theirs: sandboxes share it.
-    around_cache: bool = False
 
 
 def contained(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -364,8 +359,7 @@ class StrataFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         fh = next(self._next_fh)
         writable = bool(flags & (os.O_WRONLY | os.O_RDWR))
-        handle = Handle(node, writable=writable, guest_ram=writable and not node.writable,
-                        around_cache=not writable and node.upper is None and not flags & os.O_DIRECT)
+        handle = Handle(node, writable=writable, guest_ram=writable and not node.writable)
         self._handles[fh] = handle
         view = node.upper.lower if node.upper is not None else node.view
         if view is not None:
@@ -394,10 +388,7 @@ class StrataFS(pyfuse3.Operations):
             handle.last_end = off + len(ready)
             return ready
         try:
-            if handle.around_cache and node.view is not None:
-                data = await trio.to_thread.run_sync(functools.partial(node.view.read, off, size, around_cache=True))
-            else:
-                data = await trio.to_thread.run_sync(target.read, off, size)
+            data = await trio.to_thread.run_sync(target.read, off, size)
         except (CorruptObject, MissingChunk, StrataError) as exc:
             log.error("read of %s [%d, %d) failed: %s", self._path(node), off, off + size, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None

@@ -55,9 +55,8 @@ class LayerView:
             return range(0)
         return range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1)
 
-    def read(self, offset: int, length: int, *, around_cache: bool = False) -> bytes:
-        """Bytes [offset, offset+length), clamped to the image size;
-        `around_cache`: see ChunkCache.read."""
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length), clamped to the image size."""
         end = min(self.size, offset + length)
         if offset < 0 or offset >= end:
             return b""
@@ -69,7 +68,7 @@ class LayerView:
             else:
                 if index not in self.touched:
                     self.touched[index] = None
-                parts.append(self.fetcher.read(digest, inner, n, around_cache=around_cache))
+                parts.append(self.fetcher.read(digest, inner, n))
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def chunk(self, index: int) -> bytes:

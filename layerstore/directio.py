@@ -16,11 +16,6 @@ a device with blocks above 4 KiB) gets buffered writes throughout.
 
 Durability is unchanged: a direct write may still sit in the device's cache,
 and the caller's fsync flushes both descriptors' data (fsync is per file).
-
-Reads go around the page cache too (`pread_around_cache`) where the reader
-keeps the bytes itself: a buffered read through the mount lands in the FUSE
-file's page cache, and the chunk cache file's own page cache was a second
-copy whose allocation cost the daemon a third of its CPU.
 """
 
 from __future__ import annotations
@@ -41,44 +36,14 @@ class AlignedBuffers(threading.local):
     def __init__(self) -> None:
         self.buffer: mmap.mmap | None = None
 
-    def space(self, n: int) -> memoryview:
-        """`n` bytes of this thread's buffer (page-aligned), grown if need be."""
-        if self.buffer is None or len(self.buffer) < n:  # the old one unmaps once no view holds it
-            self.buffer = mmap.mmap(-1, max(n + ALIGN - 1, 1 << 20) // ALIGN * ALIGN)
-        return memoryview(self.buffer)[:n]
-
     def holding(self, data: bytes | memoryview) -> memoryview:
         """`data` copied into this thread's buffer (a view of exactly its length)."""
-        view = self.space(len(data))
+        n = len(data)
+        if self.buffer is None or len(self.buffer) < n:  # the old one unmaps once no view holds it
+            self.buffer = mmap.mmap(-1, max(n + ALIGN - 1, 1 << 20) // ALIGN * ALIGN)
+        view = memoryview(self.buffer)[:n]
         view[:] = data
         return view
-
-
-def pread_around_cache(path: str | os.PathLike[str], length: int, offset: int, *,
-                       buffers: AlignedBuffers) -> bytes:
-    """Up to `length` bytes of `path` at `offset` (fewer at its end), read
-    around the page cache when the offset is aligned and the filesystem
-    allows, else through it: for a reader that caches what it reads itself
-    (the mount's buffered readers, whose FUSE file keeps the bytes), so a
-    second copy in the page cache would only cost its allocation."""
-    if offset % ALIGN == 0 and length >= SMALL:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-        else:
-            try:
-                view = buffers.space(-(-length // ALIGN) * ALIGN)
-                n = os.preadv(fd, [view], offset)
-                return bytes(view[:min(n, length)])
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-            finally:
-                os.close(fd)
-    with open(path, "rb", buffering=0) as f:
-        return os.pread(f.fileno(), length, offset)
 
 
 class DirectFile:

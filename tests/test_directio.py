@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerstore.directio import ALIGN, PIECE, SMALL, AlignedBuffers, DirectFile, pread_around_cache
+from layerstore.directio import ALIGN, PIECE, SMALL, AlignedBuffers, DirectFile
 
 MiB = 1 << 20
 
@@ -110,20 +110,3 @@ def test_a_store_opened_for_bulk_writes_leaves_its_chunks_out_of_the_page_cache(
         cached = _cached_pages(path)
         assert store.read_chunk(digest) == data
     assert (cached <= 1) if bulk else (cached >= 2 * MiB // 4096)
-
-
-def test_a_read_around_the_page_cache_returns_exactly_what_a_buffered_read_does(tmp_path: Path) -> None:
-    data = os.urandom(3 * MiB + 777)
-    path = tmp_path / "f"
-    path.write_bytes(data)
-    os.sync()
-    buffers = AlignedBuffers()
-    for offset, length in ((0, MiB), (MiB, 2 * MiB + 777), (2 * MiB, 4 * MiB), (4096 + 1, MiB), (0, 100),
-                           (len(data), MiB)):
-        assert pread_around_cache(path, length, offset, buffers=buffers) == data[offset:offset + length]
-    if _accepts_direct(tmp_path):
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        assert pread_around_cache(path, 2 * MiB, 0, buffers=buffers) == data[:2 * MiB]
-        assert _cached_pages(path) == 0  # aligned and large: read around the cache
