@@ -7,10 +7,11 @@ Pipeline, per window of chunks (a window bounds memory):
     zstd + put for the chunks the store lacks                         upload pool
 
 pread, blake3 and zstd all release the GIL, so the pools use every core.
-The next window hashes while one is checked and its uploads queued (without
-that, the hash pool idled at each window's end: a 1 GiB import took 1.4 s,
-against 1.2-1.3 s), and uploads overlap with both; in-flight uploads are
-capped so memory stays near (2 windows + 2 x upload concurrency) chunks. Chunks already
+The next window hashes while one is checked and its uploads queued
+(layerstore/windows.py; without that, the hash pool idled at each window's
+end: a 1 GiB import took 1.4 s, against 1.2-1.3 s), and uploads overlap with
+both; in-flight uploads are capped so memory stays near (2 windows + 2 x
+upload concurrency) chunks. Chunks already
 stored are neither compressed nor uploaded, so re-importing an unchanged image
 uploads nothing. The manifest is published only after every upload finished
 and then the ref, so a failed import leaves no ref and no manifest.
@@ -22,8 +23,7 @@ import os
 import stat
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -38,6 +38,7 @@ from .manifest import Layer, check_chunk_size
 from .refs import Ref, parse_ref
 from .sparse import data_chunks
 from .store import Store
+from .windows import one_ahead
 
 Progress = Callable[[int], None]
 
@@ -226,23 +227,18 @@ class _Chunker:
         with ThreadPoolExecutor(workers, thread_name_prefix="strata-hash") as hash_pool, ThreadPoolExecutor(
             self.upload_concurrency, thread_name_prefix="strata-put"
         ) as put_pool:
-            # The next window is hashing while this one is checked and queued for upload.
-            hashing: deque[tuple[list[int], list[Future[tuple[int, str | None, bytes | None, int]]]]] = deque()
-            for start in range(0, len(indices), window):
-                part = indices[start : start + window]
-                hashing.append((part, [hash_pool.submit(self.read_hash, i) for i in part]))
-                while hashing and (len(hashing) > 1 or start + window >= len(indices)) and not self.errors:
-                    ready, futures = hashing.popleft()
-                    fresh = self._hash_window((f.result() for f in futures), digests, seen)
-                    # local only: under this import's lease, a chunk some other store holds is not stored
-                    for digest in self.store.local_missing_chunks(fresh) if fresh else set():
-                        self.inflight.acquire()
-                        put_pool.submit(self.upload, digest, *fresh[digest])
-                    del fresh, futures  # the uploads hold what they need: no window keeps the last alive
-                    if progress:
-                        progress(_span_bytes(ready, self.size, self.chunk_size))
+            parts = (indices[start : start + window] for start in range(0, len(indices), window))
+            for part, futures in one_ahead(parts, lambda part: [hash_pool.submit(self.read_hash, i) for i in part]):
                 if self.errors:
                     break
+                fresh = self._hash_window((f.result() for f in futures), digests, seen)
+                # local only: under this import's lease, a chunk some other store holds is not stored
+                for digest in self.store.local_missing_chunks(fresh) if fresh else set():
+                    self.inflight.acquire()
+                    put_pool.submit(self.upload, digest, *fresh[digest])
+                del fresh, futures  # the uploads hold what they need: no window keeps the last alive
+                if progress:
+                    progress(_span_bytes(part, self.size, self.chunk_size))
         if self.errors:
             raise self.errors[0]
         self.store.catalog.add_chunks(self.uploaded)
