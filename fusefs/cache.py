@@ -50,7 +50,7 @@ import blake3
 import lmdb
 
 from layerstore.digest import check_digest, is_digest
-from layerstore.directio import AlignedBuffers, DirectFile
+from layerstore.directio import DirectWriter
 
 _ENTRY = struct.Struct("<Qd")
 log = logging.getLogger("strata.fusefs")
@@ -123,8 +123,7 @@ class ChunkCache:
                               metasync=False)
         self._db = self._env.open_db(b"entries")
         self._lock = threading.Lock()
-        self._buffers = AlignedBuffers()
-        self._direct_ok = True
+        self._writer = DirectWriter()
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._verified: set[str] = set()
         self._pins: dict[Hashable, set[str]] = {}
@@ -320,9 +319,7 @@ class ChunkCache:
         the reader already has in memory, and on virtualised hosts it costs a
         fraction of the kernel time of a buffered write (bench/fuse_read.py).
         """
-        with DirectFile(path, os.O_CREAT | os.O_EXCL, 0o600, buffers=self._buffers, direct=self._direct_ok) as f:
-            if self._direct_ok and not f.direct:
-                self._direct_ok = False  # a filesystem without O_DIRECT: not asked again
+        with self._writer.open(path, os.O_CREAT | os.O_EXCL, 0o600) as f:
             f.pwrite(data, 0)
 
     def _make_room_locked(self, size: int) -> bool:

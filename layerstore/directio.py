@@ -61,8 +61,8 @@ class DirectFile:
         self.direct_fd = -1
         self._refused = False  # the device refused a direct write: buffered from then on
         if direct:
-            try:
-                self.direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
+            try:  # the same inode again, not the name: nobody can swap the file in between
+                self.direct_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     os.close(self.fd)
@@ -115,3 +115,21 @@ class DirectFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class DirectWriter:
+    """Opens the files of one long-lived writer (a store, a cache): the
+    threads' buffers, and whether the filesystem still takes O_DIRECT (a
+    refusal is remembered, not asked for again at every file)."""
+
+    def __init__(self, *, direct: bool = True) -> None:
+        self.buffers = AlignedBuffers()
+        self.direct = direct
+
+    def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644, *, large: bool = True) -> DirectFile:
+        """A DirectFile for `path`; `large=False` (a small object) opens it buffered only."""
+        tried = self.direct and large
+        opened = DirectFile(path, flags, mode, buffers=self.buffers, direct=tried)
+        if tried and not opened.direct:
+            self.direct = False
+        return opened

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .backend import ObjectInfo, ObjectVersion, check_key
-from .directio import SMALL, AlignedBuffers, DirectFile
+from .directio import SMALL, DirectWriter
 from .errors import AccessDenied, BackendError, InvalidInput, NotFound
 
 MARKER = "strata-store 1\n"
@@ -58,8 +58,7 @@ class LocalDirBackend:
         self._fsync = fsync
         self._known_dirs: set[Path] = set()
         self._lock = threading.Lock()
-        self._buffers = AlignedBuffers()
-        self._direct = direct  # until the filesystem refuses O_DIRECT
+        self._writer = DirectWriter(direct=direct)
         marker = self.root / "STRATA"
         if marker.exists():
             if marker.read_text() != MARKER:
@@ -112,10 +111,7 @@ class LocalDirBackend:
         tmp = self._tmp / f"{path.name}.{uuid.uuid4().hex}"
         try:
             self._ensure_dir(path.parent)
-            direct = self._direct and len(data) >= SMALL
-            with DirectFile(tmp, os.O_CREAT | os.O_EXCL, buffers=self._buffers, direct=direct) as f:
-                if direct and not f.direct:
-                    self._direct = False  # the filesystem refused O_DIRECT: not asked again
+            with self._writer.open(tmp, os.O_CREAT | os.O_EXCL, large=len(data) >= SMALL) as f:
                 f.pwrite(data, 0)
                 if self._fsync:
                     f.fsync()

@@ -110,3 +110,19 @@ def test_a_store_opened_for_bulk_writes_leaves_its_chunks_out_of_the_page_cache(
         cached = _cached_pages(path)
         assert store.read_chunk(digest) == data
     assert (cached <= 1) if bulk else (cached >= 2 * MiB // 4096)
+
+
+def test_a_writer_opens_small_objects_and_an_unwilling_writer_buffered_only(tmp_path: Path) -> None:
+    from layerstore.directio import DirectWriter
+
+    writer = DirectWriter()
+    with writer.open(tmp_path / "small", os.O_CREAT | os.O_EXCL, large=False) as f:
+        assert not f.direct
+        f.pwrite(b"manifest", 0)
+    with writer.open(tmp_path / "large", os.O_CREAT | os.O_EXCL) as f:
+        assert f.direct is _accepts_direct(tmp_path)
+        f.pwrite(b"z" * MiB, 0)
+    assert writer.direct is _accepts_direct(tmp_path)  # still asked for the next large file
+    with DirectWriter(direct=False).open(tmp_path / "off", os.O_CREAT | os.O_EXCL) as f:
+        assert not f.direct
+    assert (tmp_path / "small").read_bytes() == b"manifest" and (tmp_path / "large").read_bytes() == b"z" * MiB
