@@ -16,10 +16,15 @@ a device with blocks above 4 KiB) gets buffered writes throughout.
 
 Durability is unchanged: a direct write may still sit in the device's cache,
 and the caller's fsync flushes both descriptors' data (fsync is per file).
+
+Reads go around the page cache too (`pread_into`), for a reader that keeps
+what it reads itself: the mount's buffered readers, whose FUSE file caches
+the bytes, so the chunk cache file's page cache would be a second copy.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -44,6 +49,59 @@ class AlignedBuffers(threading.local):
         view = memoryview(self.buffer)[:n]
         view[:] = data
         return view
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """`size` writable bytes at a page-aligned address, for a direct read.
+
+    From the heap, not a fresh mapping: a freed buffer's memory is reused
+    without faulting it in again (layerstore/malloc.py). It lives as long
+    as the view (or a slice of it) does.
+    """
+    raw = bytearray(size + ALIGN)
+    skip = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN
+    return memoryview(raw)[skip : skip + size]
+
+
+def pread_into(path: str | os.PathLike[str], out: memoryview, offset: int, *, direct: bool = True) -> int:
+    """Read `path` at `offset` into `out` (fewer bytes at its end); the count.
+
+    Around the page cache (O_DIRECT) when `direct` and the memory, offset
+    and length are aligned and the filesystem allows; else through it. A
+    direct read of a range with dirty pages waits for their writeback, so
+    it is for files written whole before (the chunk cache's). Memory that is
+    not page-aligned is refused by the kernel (EINVAL) and read buffered.
+    """
+    aligned = len(out) >= SMALL and offset % ALIGN == 0 and len(out) % ALIGN == 0
+    if direct and aligned:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        else:
+            try:
+                return _preadv_all(fd, out, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+            finally:
+                os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _preadv_all(fd, out, offset)
+    finally:
+        os.close(fd)
+
+
+def _preadv_all(fd: int, out: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 class DirectFile:

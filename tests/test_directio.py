@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerstore.directio import ALIGN, PIECE, SMALL, AlignedBuffers, DirectFile
+from layerstore.directio import ALIGN, PIECE, SMALL, AlignedBuffers, DirectFile, aligned_buffer, pread_into
 
 MiB = 1 << 20
 
@@ -126,3 +126,36 @@ def test_a_writer_opens_small_objects_and_an_unwilling_writer_buffered_only(tmp_
     with DirectWriter(direct=False).open(tmp_path / "off", os.O_CREAT | os.O_EXCL) as f:
         assert not f.direct
     assert (tmp_path / "small").read_bytes() == b"manifest" and (tmp_path / "large").read_bytes() == b"z" * MiB
+
+
+def test_a_read_into_a_buffer_returns_exactly_what_a_buffered_read_does(tmp_path: Path) -> None:
+    """Direct where aligned (memory, offset, length), buffered where not; short at the end."""
+    data = os.urandom(3 * MiB + 777)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    os.sync()
+    for offset, length, shift in ((0, MiB, 0), (MiB, 2 * MiB + 4096, 0), (2 * MiB, 4 * MiB, 0), (4096 + 1, MiB, 0),
+                                  (0, 100, 0), (4096, MiB, 1), (len(data), MiB, 0)):
+        out = aligned_buffer(length + shift)[shift:]  # shift: memory a direct read refuses
+        n = pread_into(path, out, offset)
+        assert bytes(out[:n]) == data[offset:offset + length]
+    if _accepts_direct(tmp_path):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        out = aligned_buffer(2 * MiB)
+        assert pread_into(path, out, 0) == 2 * MiB and bytes(out) == data[:2 * MiB]
+        assert _cached_pages(path) == 0  # aligned and large: read around the page cache
+        assert pread_into(path, out, 0, direct=False) == 2 * MiB
+        assert _cached_pages(path) >= 2 * MiB // 4096  # asked buffered: through it (and read-ahead)
+
+
+def test_an_aligned_buffer_is_page_aligned_and_lives_with_its_view() -> None:
+    import ctypes
+    views = [aligned_buffer(n) for n in (1, 4096, MiB + 3)]
+    assert [len(v) for v in views] == [1, 4096, MiB + 3]
+    assert all(ctypes.addressof(ctypes.c_char.from_buffer(v)) % ALIGN == 0 for v in views)
+    part = views[2][4096:8192]
+    del views
+    part[:] = b"x" * 4096  # the memory stays while a slice holds it
+    assert bytes(part) == b"x" * 4096
