@@ -219,6 +219,23 @@ class ChunkFetcher:
             return whole
         return whole[offset : offset + length if length >= 0 else None]
 
+    def read_into(self, digest: str, offset: int, out: memoryview, *, fetch: bool = True) -> int | None:
+        """`read` into `out`: bytes [offset, offset+len(out)) of chunk
+        `digest` (fewer at its end); a cache file is read around the page
+        cache (ChunkCache.read_into), and nothing is kept in memory. None if
+        the chunk is neither in memory nor cached and `fetch` is False."""
+        whole = self._recall(digest)
+        if whole is None:
+            n = self.cache.read_into(digest, offset, out)
+            if n is not None:
+                return n
+            if not fetch:
+                return None
+            whole = self.fetch(digest)
+        part = memoryview(whole)[offset : offset + len(out)]
+        out[: len(part)] = part
+        return len(part)
+
     def read_ready(self, digest: str, offset: int, length: int, *, max_disk_read: int = 64 << 10) -> bytes | None:
         """The bytes if they can be had without fetching or hashing, else None.
 

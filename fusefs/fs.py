@@ -35,6 +35,7 @@ from layerstore.errors import Conflict, CorruptObject, InvalidInput, MissingChun
 from layerstore.refs import parse_ref
 
 from .paths import DISK, IMAGES, LAYERS, SANDBOXES, SNAPSHOT_FILES, SNAPSHOTS
+from .stream import ReadStream, ReadStreams
 from .upper import UpperLayer
 from .view import LayerView
 
@@ -83,6 +84,12 @@ class Handle:
     # a read-only file opened read-write: a VMM mapping it privately, as a
     # restored guest's RAM (vmm/cowmemory.py), faulted in no order
     guest_ram: bool = False
+    # an image read through the page cache (not O_DIRECT, not written): the
+    # FUSE file keeps what it reads, so the chunk cache's files are read
+    # around their page cache (StrataFS._read_around), read ahead once the
+    # reads are sequential (its stream)
+    around_cache: bool = False
+    stream: ReadStream | None = None
 
 
 def contained(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -128,6 +135,7 @@ class StrataFS(pyfuse3.Operations):
         self._lock = threading.Lock()
         self._mtime = time.time_ns()
         self.readahead = ThreadPoolExecutor(4, thread_name_prefix="strata-readahead")
+        self.streams = ReadStreams()
         root = Node(pyfuse3.ROOT_INODE, "", pyfuse3.ROOT_INODE, True)
         self._nodes[root.inode] = root
         self.images = self._mkdir(root, IMAGES)
@@ -359,7 +367,8 @@ class StrataFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         fh = next(self._next_fh)
         writable = bool(flags & (os.O_WRONLY | os.O_RDWR))
-        handle = Handle(node, writable=writable, guest_ram=writable and not node.writable)
+        handle = Handle(node, writable=writable, guest_ram=writable and not node.writable,
+                        around_cache=not (writable or node.upper is not None or flags & os.O_DIRECT))
         self._handles[fh] = handle
         view = node.upper.lower if node.upper is not None else node.view
         if view is not None:
@@ -371,7 +380,7 @@ class StrataFS(pyfuse3.Operations):
         info.direct_io = False
         return info
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self._handles.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
@@ -388,7 +397,10 @@ class StrataFS(pyfuse3.Operations):
             handle.last_end = off + len(ready)
             return ready
         try:
-            data = await trio.to_thread.run_sync(target.read, off, size)
+            if handle.around_cache:
+                data = await self._read_around(handle, off, size)
+            else:
+                data = await trio.to_thread.run_sync(target.read, off, size)
         except (CorruptObject, MissingChunk, StrataError) as exc:
             log.error("read of %s [%d, %d) failed: %s", self._path(node), off, off + size, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
@@ -399,6 +411,30 @@ class StrataFS(pyfuse3.Operations):
             self._read_ahead(node, off + len(data))
         handle.last_end = off + len(data)
         return data
+
+    async def _read_around(self, handle: Handle, off: int, size: int) -> memoryview:
+        """A read of a buffered reader of an image, into a reply buffer and
+        around the chunk cache's page cache (the reader's FUSE file keeps the
+        bytes); read ahead once it is sequential (fusefs/stream.py)."""
+        view = handle.node.view
+        assert view is not None
+        buffers = self.streams.buffers
+        buffers.reclaim()
+        if handle.stream is None and off == handle.last_end:
+            handle.stream = self.streams.open(view)
+        block = await handle.stream.take(off, size) if handle.stream is not None else None
+        if block is None:
+            buffer = buffers.any(size)
+            try:
+                n = await trio.to_thread.run_sync(view.read_into, off, buffer[:size])
+            except BaseException:
+                buffers.put(buffer)
+                raise
+            assert n is not None  # fetched if need be
+            block = buffer, n
+        buffer, n = block
+        buffers.lend(buffer)
+        return buffer[:n]
 
     @staticmethod
     def _read_ready(node: Node, off: int, size: int) -> bytes | None:
@@ -471,6 +507,8 @@ class StrataFS(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
+        if handle is not None and handle.stream is not None:
+            handle.stream.close()
         if handle is not None and handle.pin_owner is not None:
             self.cat.cache.unpin(handle.pin_owner)
 
@@ -527,4 +565,5 @@ class StrataFS(pyfuse3.Operations):
 
     def shutdown(self) -> None:
         self.readahead.shutdown(wait=False, cancel_futures=True)
+        self.streams.close()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from layerstore.errors import CorruptObject
+
 from .fetch import ChunkFetcher
 
 
@@ -70,6 +72,29 @@ class LayerView:
                     self.touched[index] = None
                 parts.append(self.fetcher.read(digest, inner, n))
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_into(self, offset: int, out: memoryview, *, fetch: bool = True) -> int | None:
+        """`read` into `out` (the count, clamped to the image size), for a
+        reader that keeps what it reads: chunk cache files are read around
+        their page cache (ChunkFetcher.read_into). None if a chunk would have
+        to be fetched and `fetch` is False."""
+        end = min(self.size, offset + len(out))
+        if offset < 0 or offset >= end:
+            return 0
+        for index, inner, n, pos in chunk_spans(offset, end, self.chunk_size):
+            digest = self.chunks.get(index)
+            part = out[pos - offset : pos - offset + n]
+            if digest is None:
+                part[:] = self._zero[:n]
+                continue
+            got = self.fetcher.read_into(digest, inner, part, fetch=fetch)
+            if got is None:
+                return None
+            if index not in self.touched:
+                self.touched[index] = None
+            if got != n:  # never answer with what the reused buffer held before
+                raise CorruptObject(f"chunk {digest} of {self.manifest_id} is shorter than its manifest says")
+        return end - offset
 
     def chunk(self, index: int) -> bytes:
         """Chunk `index` whole (zeros for a hole, nothing past the end), for a

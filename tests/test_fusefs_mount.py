@@ -121,6 +121,54 @@ def _direct_reads(path: Path, length: int, count: int) -> bytes:
         buf.close()
 
 
+def _resident_pages(files: list[Path]) -> int:
+    """Pages of `files` in the page cache (util-linux fincore, mincore(2))."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(line) for line in out.split()) // 4096
+
+
+def _drop_pages(files: list[Path]) -> None:
+    os.sync()  # dirty pages (a cache file's short tail is written buffered) are not dropped
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_a_buffered_reader_is_served_around_the_chunk_caches_page_cache(mount: Mount) -> None:
+    """A buffered read lands in the FUSE file's page cache, so the chunk
+    cache's files are read around theirs (one copy, not two: fusefs/stream.py);
+    an O_DIRECT reader (a VMM's disk) keeps the cache files' page cache, which
+    its siblings share."""
+    content = write_image(mount.tmp / "a.img", "rrrrrrrr", tail=5000)
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "warm:v1")
+    mount.start()
+    path = mount.image("warm:v1")
+    assert path.read_bytes() == content  # fetches every chunk into the cache (written behind)
+    for _ in range(200):
+        cached = [p for p in (mount.tmp / "cache" / "chunks").rglob("*") if p.is_file()]
+        if len(cached) == 9:
+            break
+        time.sleep(0.05)
+    assert len(cached) == 9  # eight chunks and the 5000-byte tail
+    mount.stop()  # a new daemon holds no chunk in memory: each read below is the cache file's
+    mount.start()
+    assert path.read_bytes() == content  # (every entry is re-hashed on its first use after a restart)
+    for kind in ("buffered", "direct"):
+        _drop_pages([*cached, path])
+        assert _resident_pages(cached) == 0
+        if kind == "buffered":
+            with open(path, "rb") as f:
+                assert f.read() == content
+            assert _resident_pages(cached) <= 2  # the tail's file, read through the page cache
+        else:
+            assert _direct_reads(path, MiB, 9)[: len(content)] == content
+            assert _resident_pages(cached) >= 8 * MiB // 4096 // 2
+
+
 def test_reads_of_a_sandboxs_ram_fetch_nothing_ahead(mount: Mount) -> None:
     """A guest faults its RAM in no order: the mount's read-ahead past a
     run of reads, right for disks, only fetched chunks a restore did not
