@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("strata.fusefs")
 
 READ_AHEAD_CHUNKS = 8
+PAGES_AHEAD = 4  # cached chunks whose files are paged in ahead of an O_DIRECT reader (_read_ahead)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Handle:
     # reads are sequential (its stream)
     around_cache: bool = False
     stream: ReadStream | None = None
+    paged_to: int = -1  # the last chunk whose cache file read-ahead asked the kernel to page in
 
 
 def contained(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -393,7 +395,7 @@ class StrataFS(pyfuse3.Operations):
         ready = self._read_ready(node, off, size)
         if ready is not None:
             if off == handle.last_end and not handle.guest_ram:
-                self._read_ahead(node, off + len(ready))
+                self._read_ahead(handle, off + len(ready))
             handle.last_end = off + len(ready)
             return ready
         try:
@@ -408,7 +410,7 @@ class StrataFS(pyfuse3.Operations):
             log.error("read of %s failed: %s", self._path(node), exc)
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         if off == handle.last_end and not handle.guest_ram:
-            self._read_ahead(node, off + len(data))
+            self._read_ahead(handle, off + len(data))
         handle.last_end = off + len(data)
         return data
 
@@ -444,8 +446,12 @@ class StrataFS(pyfuse3.Operations):
             return node.view.read_ready(off, size)
         return None
 
-    def _read_ahead(self, node: Node, end: int) -> None:
-        """Fetch the chunks after a run of reads that ended at `end`.
+    def _read_ahead(self, handle: Handle, end: int) -> None:
+        """Fetch the chunks after a run of reads that ended at `end`, and
+        have the kernel page in the cache files of the next PAGES_AHEAD
+        cached ones, unless the handle is read around the page cache: an
+        O_DIRECT reader (a VMM's disk) has one read in flight, which then
+        need not wait for the disk.
 
         Not for a sandbox's RAM (its volatile upper layer, or the layer a
         restored guest maps copy-on-write: `Handle.guest_ram`): a guest faults its
@@ -453,6 +459,7 @@ class StrataFS(pyfuse3.Operations):
         as the mount's read-ahead, looks like such a run. What a restore
         needs there is its recorded working set; read-ahead only added
         fetches and daemon CPU to a cold restore (bench/vm_snapshot.py)."""
+        node = handle.node
         if node.upper is not None and node.upper.volatile:
             return
         view = node.upper.lower if node.upper is not None else node.view
@@ -462,8 +469,13 @@ class StrataFS(pyfuse3.Operations):
         chunk_count = -(-view.size // view.chunk_size)
         for index in range(first, min(first + READ_AHEAD_CHUNKS, chunk_count)):
             digest = view.chunks.get(index)
-            if digest is not None and not self.cat.cache.contains(digest):
+            if digest is None:
+                continue
+            if not self.cat.cache.contains(digest):
                 self.cat.schedule_prefetch(digest)
+            elif not handle.around_cache and handle.paged_to < index < first + PAGES_AHEAD:
+                handle.paged_to = index
+                self.readahead.submit(self.cat.cache.will_need, digest)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handles.get(fh)

@@ -190,3 +190,21 @@ def test_bad_settings_refused(tmp_path: Path) -> None:
         ChunkCache(tmp_path, capacity=0)
     with pytest.raises(ValueError):
         ChunkCache(tmp_path, capacity=1, high_watermark=0.5, low_watermark=0.9)
+
+
+def test_read_into_and_will_need_hit_count_and_miss_cleanly(tmp_path: Path) -> None:
+    """read_into reads a cached chunk's bytes into a buffer (a hit), a
+    missing one is None (a miss); will_need of a chunk gone is no error."""
+    from layerstore.directio import aligned_buffer
+
+    cache = ChunkCache(tmp_path, capacity=1024 * KiB)
+    digest, data = chunk(1)
+    assert cache.put(digest, data)
+    out = aligned_buffer(64 * KiB)
+    assert cache.read_into(digest, 0, out) == len(data) and bytes(out) == data
+    assert cache.read_into(digest, 4096, out[:8192]) == 8192 and bytes(out[:8192]) == data[4096:12288]
+    assert cache.read_into(chunk(2)[0], 0, out) is None
+    stats = cache.snapshot_stats()
+    assert (stats["hits"], stats["misses"]) == (2, 1)
+    cache.will_need(digest)
+    cache.will_need(chunk(2)[0])  # not cached: nothing to page in, and no error

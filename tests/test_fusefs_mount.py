@@ -169,6 +169,39 @@ def test_a_buffered_reader_is_served_around_the_chunk_caches_page_cache(mount: M
             assert _resident_pages(cached) >= 8 * MiB // 4096 // 2
 
 
+def test_an_o_direct_reader_finds_the_next_cached_chunks_paged_in(mount: Mount) -> None:
+    """An O_DIRECT reader has one read in flight: after a run of its reads,
+    the cache files of the next PAGES_AHEAD cached chunks are paged in
+    (posix_fadvise WILLNEED), so its next reads need not wait for the disk;
+    those further on are not."""
+    from fusefs.fs import PAGES_AHEAD
+    from layerstore.digest import digest_bytes
+
+    content = write_image(mount.tmp / "a.img", "rrrrrrrrrr")
+    mount.strata("image", "import", str(mount.tmp / "a.img"), "seq:v1")
+    mount.start()
+    path = mount.image("seq:v1")
+    assert path.read_bytes() == content
+    files = [mount.tmp / "cache" / "chunks" / d[:2] / d
+             for d in (digest_bytes(content[i:i + MiB]) for i in range(0, len(content), MiB))]
+    for _ in range(200):
+        if all(f.exists() for f in files):
+            break
+        time.sleep(0.05)
+    mount.stop()  # a new daemon holds no chunk in memory
+    mount.start()
+    _direct_reads(path, MiB, 1)  # re-hashes chunk 0 on its first use after the restart
+    _drop_pages([*files, path])
+    assert _direct_reads(path, MiB, 3) == content[: 3 * MiB]
+    ahead = files[3 : 3 + PAGES_AHEAD]
+    for _ in range(100):
+        if _resident_pages(ahead) == len(ahead) * MiB // 4096:
+            break
+        time.sleep(0.05)
+    assert _resident_pages(ahead) == len(ahead) * MiB // 4096
+    assert _resident_pages(files[3 + PAGES_AHEAD :]) == 0
+
+
 def test_reads_of_a_sandboxs_ram_fetch_nothing_ahead(mount: Mount) -> None:
     """A guest faults its RAM in no order: the mount's read-ahead past a
     run of reads, right for disks, only fetched chunks a restore did not
