@@ -91,7 +91,7 @@ class Handle:
     # reads are sequential (its stream)
     around_cache: bool = False
     stream: ReadStream | None = None
-    paged_to: int = -1  # the last chunk whose cache file read-ahead asked the kernel to page in
+    paged: range = range(0)  # the chunks whose cache files read-ahead last asked the kernel to page in
 
 
 def contained(operation: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -467,14 +467,14 @@ class StrataFS(pyfuse3.Operations):
             return
         first = end // view.chunk_size
         chunk_count = -(-view.size // view.chunk_size)
+        paged, handle.paged = handle.paged, range(first, first + PAGES_AHEAD)
         for index in range(first, min(first + READ_AHEAD_CHUNKS, chunk_count)):
             digest = view.chunks.get(index)
             if digest is None:
                 continue
             if not self.cat.cache.contains(digest):
                 self.cat.schedule_prefetch(digest)
-            elif not handle.around_cache and handle.paged_to < index < first + PAGES_AHEAD:
-                handle.paged_to = index
+            elif not handle.around_cache and index in handle.paged and index not in paged:
                 self.readahead.submit(self.cat.cache.will_need, digest)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:

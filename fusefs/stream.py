@@ -72,7 +72,8 @@ class ReplyBuffers:
         whole = memoryview(self._arena)
         # Faulted in now, at the daemon's start: a fresh daemon's first reads
         # (a cold restore's device state) otherwise wait for the faults.
-        whole[::PAGE] = bytes(len(range(0, len(whole), PAGE)))
+        used = whole[base : base + size * count]
+        used[::PAGE] = bytes(len(range(0, len(used), PAGE)))
         self._free = [whole[base + i * size : base + (i + 1) * size] for i in range(count)]
         self._lent: list[memoryview] = []
         self._lock = threading.Lock()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -110,8 +111,6 @@ def test_lazy_reads_fetch_only_what_is_read(mount: Mount) -> None:
 def _direct_reads(path: Path, length: int, count: int) -> bytes:
     """`count` reads of `length` bytes one after the other from the start of
     `path`, as QEMU makes them (O_DIRECT: no kernel read-ahead)."""
-    import mmap
-
     buf = mmap.mmap(-1, length)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
@@ -200,6 +199,23 @@ def test_an_o_direct_reader_finds_the_next_cached_chunks_paged_in(mount: Mount) 
         time.sleep(0.05)
     assert _resident_pages(ahead) == len(ahead) * MiB // 4096
     assert _resident_pages(files[3 + PAGES_AHEAD :]) == 0
+    _drop_pages(files)  # a new run of reads further back is paged ahead of too
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, MiB)
+    try:
+        for i in (7, 8):  # a seek, then a run: pages in 9
+            assert buf[: os.preadv(fd, [buf], i * MiB)] == content[i * MiB : (i + 1) * MiB]
+        for i in (0, 1):  # back to the start
+            assert buf[: os.preadv(fd, [buf], i * MiB)] == content[i * MiB : (i + 1) * MiB]
+    finally:
+        os.close(fd)
+        buf.close()
+    ahead = files[2 : 2 + PAGES_AHEAD]
+    for _ in range(100):
+        if _resident_pages(ahead) == len(ahead) * MiB // 4096:
+            break
+        time.sleep(0.05)
+    assert _resident_pages(ahead) == len(ahead) * MiB // 4096
 
 
 def test_reads_of_a_sandboxs_ram_fetch_nothing_ahead(mount: Mount) -> None:
