@@ -415,28 +415,12 @@ class StrataFS(pyfuse3.Operations):
         return data
 
     async def _read_around(self, handle: Handle, off: int, size: int) -> memoryview:
-        """A read of a buffered reader of an image, into a reply buffer and
-        around the chunk cache's page cache (the reader's FUSE file keeps the
-        bytes); read ahead once it is sequential (fusefs/stream.py)."""
-        view = handle.node.view
-        assert view is not None
-        buffers = self.streams.buffers
-        buffers.reclaim()
+        """A read of a buffered reader of an image (fusefs/stream.py), read
+        ahead once it is sequential."""
+        assert handle.node.view is not None
         if handle.stream is None and off == handle.last_end:
-            handle.stream = self.streams.open(view)
-        block = await handle.stream.take(off, size) if handle.stream is not None else None
-        if block is None:
-            buffer = buffers.any(size)
-            try:
-                n = await trio.to_thread.run_sync(view.read_into, off, buffer[:size])
-            except BaseException:
-                buffers.put(buffer)
-                raise
-            assert n is not None  # fetched if need be
-            block = buffer, n
-        buffer, n = block
-        buffers.lend(buffer)
-        return buffer[:n]
+            handle.stream = self.streams.open(handle.node.view)
+        return await self.streams.read(handle.node.view, off, size, stream=handle.stream)
 
     @staticmethod
     def _read_ready(node: Node, off: int, size: int) -> bytes | None:

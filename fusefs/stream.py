@@ -119,6 +119,25 @@ class ReadStreams:
     def open(self, view: LayerView) -> ReadStream:
         return ReadStream(view, self)
 
+    async def read(self, view: LayerView, off: int, size: int, *, stream: ReadStream | None) -> memoryview:
+        """Bytes [off, off+size) of `view` in a reply buffer, read around the
+        chunk cache's page cache: from `stream`'s blocks if it read them
+        ahead, else on a worker thread (fetching if need be)."""
+        self.buffers.reclaim()
+        block = await stream.take(off, size) if stream is not None else None
+        if block is None:
+            buffer = self.buffers.any(size)
+            try:
+                n = await trio.to_thread.run_sync(view.read_into, off, buffer[:size])
+            except BaseException:
+                self.buffers.put(buffer)
+                raise
+            assert n is not None  # fetched if need be
+            block = buffer, n
+        buffer, n = block
+        self.buffers.lend(buffer)
+        return buffer[:n]
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 

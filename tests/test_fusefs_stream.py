@@ -103,6 +103,21 @@ def test_a_stream_answers_from_blocks_read_ahead_exactly(views: Views) -> None:
     assert views.free() == 6
 
 
+def test_a_read_answers_from_a_reply_buffer_lent_until_the_next_read(views: Views) -> None:
+    async def main() -> None:
+        stream = views.streams.open(views.view)
+        for off in (0, MiB, 2 * MiB, 9 * MiB):  # the first and the tail read on a worker, the rest ahead
+            got = await views.streams.read(views.view, off, MiB, stream=stream)
+            assert bytes(got) == views.content[off : off + MiB]
+        tail = await views.streams.read(views.view, 8 * MiB + 4096, MiB, stream=None)
+        assert bytes(tail) == views.content[8 * MiB + 4096 : 9 * MiB + 4096]
+        stream.close()
+        views.streams.buffers.reclaim()  # the last reply's buffer, lent until now
+
+    trio.run(main)
+    assert views.free() == 6
+
+
 def test_blocks_the_reader_skips_are_dropped_and_their_buffers_come_back(views: Views) -> None:
     async def main() -> None:
         stream = views.streams.open(views.view)
