@@ -44,7 +44,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Hashable, Iterable
+from typing import Callable, Hashable, Iterable, TypeVar
 
 import blake3
 import lmdb
@@ -53,6 +53,7 @@ from layerstore.digest import check_digest, is_digest
 from layerstore.directio import DirectWriter, pread_into
 
 _ENTRY = struct.Struct("<Qd")
+T = TypeVar("T")
 log = logging.getLogger("strata.fusefs")
 
 # Read every entry of an index in a child: exit 0 only if all of it is sound.
@@ -224,33 +225,18 @@ class ChunkCache:
 
     def read(self, digest: str, offset: int = 0, length: int = -1) -> bytes | None:
         """Bytes [offset, offset+length) of a cached chunk (all if length < 0), or None on a miss."""
-        if not self._touch(digest):
-            return None
-        path = self._path(digest)
-        if not self._verify_once(digest, path):
-            self._drop_torn(digest)
-            with self._lock:
-                self.stats.misses += 1
-            return None
-        try:
-            with open(path, "rb", buffering=0) as f:
-                if length < 0:
-                    data = f.read()
-                else:
-                    data = os.pread(f.fileno(), length, offset)
-        except FileNotFoundError:  # evicted between touch and open
-            with self._lock:
-                self.stats.misses += 1
-            return None
-        with self._lock:
-            self.stats.hits += 1
-        return data
+        return self._read_entry(digest, lambda path: _pread(path, offset, length))
 
     def read_into(self, digest: str, offset: int, out: memoryview) -> int | None:
         """Like `read`, into `out` and around the page cache where aligned
         (layerstore/directio.py): for a reader that keeps what it reads (a
         FUSE file's page cache), so the cache file's own would be a second
         copy whose allocation cost a warm read a third of the daemon's CPU."""
+        return self._read_entry(digest, lambda path: pread_into(path, out, offset, direct=self._writer.direct))
+
+    def _read_entry(self, digest: str, read: Callable[[Path], T]) -> T | None:
+        """`read(path)` of a cached chunk's file, counted as a hit; None,
+        counted as a miss, if it is not cached, torn or evicted meanwhile."""
         if not self._touch(digest):
             return None
         path = self._path(digest)
@@ -260,14 +246,14 @@ class ChunkCache:
                 self.stats.misses += 1
             return None
         try:
-            n = pread_into(path, out, offset, direct=self._writer.direct)
+            value = read(path)
         except FileNotFoundError:  # evicted between touch and open
             with self._lock:
                 self.stats.misses += 1
             return None
         with self._lock:
             self.stats.hits += 1
-        return n
+        return value
 
     def read_verified(self, digest: str, offset: int, length: int) -> bytes | None:
         """Like `read`, but only for entries already verified in this process; never hashes.
@@ -464,6 +450,12 @@ def _set_aside(index: Path) -> None:
     log.warning("cache index %s is unreadable: moved to %s, rebuilding it from the chunk files", index, broken)
     shutil.rmtree(broken, ignore_errors=True)
     index.rename(broken)
+
+
+def _pread(path: Path, offset: int, length: int) -> bytes:
+    """Bytes [offset, offset+length) of the file at `path` (all of it if length < 0)."""
+    with open(path, "rb", buffering=0) as f:
+        return f.read() if length < 0 else os.pread(f.fileno(), length, offset)
 
 
 def _remove(path: Path) -> None:
