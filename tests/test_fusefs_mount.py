@@ -17,6 +17,7 @@ import pytest
 from fusefs.client import MountClient
 from fusefs.daemon import READ_AHEAD_KIB
 from tests.conftest import IN_CI, MotoHTTP
+from tests.test_fusefs_catalogue import wait_for
 from tests.images import MiB, write_image
 from tests.test_cli import run
 
@@ -147,11 +148,11 @@ def test_a_buffered_reader_is_served_around_the_chunk_caches_page_cache(mount: M
     mount.start()
     path = mount.image("warm:v1")
     assert path.read_bytes() == content  # fetches every chunk into the cache (written behind)
-    for _ in range(200):
-        cached = [p for p in (mount.tmp / "cache" / "chunks").rglob("*") if p.is_file()]
-        if len(cached) == 9:
-            break
-        time.sleep(0.05)
+    def cache_files() -> list[Path]:
+        return [p for p in (mount.tmp / "cache" / "chunks").rglob("*") if p.is_file()]
+
+    wait_for(lambda: len(cache_files()) == 9)
+    cached = cache_files()
     assert len(cached) == 9  # eight chunks and the 5000-byte tail
     mount.stop()  # a new daemon holds no chunk in memory: each read below is the cache file's
     mount.start()
@@ -183,21 +184,14 @@ def test_an_o_direct_reader_finds_the_next_cached_chunks_paged_in(mount: Mount) 
     assert path.read_bytes() == content
     files = [mount.tmp / "cache" / "chunks" / d[:2] / d
              for d in (digest_bytes(content[i:i + MiB]) for i in range(0, len(content), MiB))]
-    for _ in range(200):
-        if all(f.exists() for f in files):
-            break
-        time.sleep(0.05)
+    assert wait_for(lambda: all(f.exists() for f in files))
     mount.stop()  # a new daemon holds no chunk in memory
     mount.start()
     _direct_reads(path, MiB, 1)  # re-hashes chunk 0 on its first use after the restart
     _drop_pages([*files, path])
     assert _direct_reads(path, MiB, 3) == content[: 3 * MiB]
     ahead = files[3 : 3 + PAGES_AHEAD]
-    for _ in range(100):
-        if _resident_pages(ahead) == len(ahead) * MiB // 4096:
-            break
-        time.sleep(0.05)
-    assert _resident_pages(ahead) == len(ahead) * MiB // 4096
+    assert wait_for(lambda: _resident_pages(ahead) == len(ahead) * MiB // 4096)
     assert _resident_pages(files[3 + PAGES_AHEAD :]) == 0
     _drop_pages(files)  # a new run of reads further back is paged ahead of too
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -211,11 +205,7 @@ def test_an_o_direct_reader_finds_the_next_cached_chunks_paged_in(mount: Mount) 
         os.close(fd)
         buf.close()
     ahead = files[2 : 2 + PAGES_AHEAD]
-    for _ in range(100):
-        if _resident_pages(ahead) == len(ahead) * MiB // 4096:
-            break
-        time.sleep(0.05)
-    assert _resident_pages(ahead) == len(ahead) * MiB // 4096
+    assert wait_for(lambda: _resident_pages(ahead) == len(ahead) * MiB // 4096)
 
 
 def test_reads_of_a_sandboxs_ram_fetch_nothing_ahead(mount: Mount) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from fusefs.view import LayerView
 from layerstore.importer import import_image
 from layerstore.store import open_store
 from tests.images import MiB, write_image
-from tests.test_fusefs_mount import Mount
+from tests.test_fusefs_mount import Mount, _drop_pages, mount  # noqa: F401  (mount: the fixture)
 
 
 def _address(view: memoryview) -> int:
@@ -176,21 +175,6 @@ def test_a_request_cancelled_while_its_block_reads_gives_the_buffer_back(views: 
     assert views.free() == 6
 
 
-def _drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-@pytest.fixture
-def mount(tmp_path: Path) -> Iterator[Mount]:
-    m = Mount(tmp_path)
-    yield m
-    m.stop()
-
-
 def test_many_buffered_readers_at_once_each_get_their_images_bytes(mount: Mount) -> None:
     """Eight readers of four images, reads of mixed sizes and seeks, the FUSE
     files' page cache dropped between rounds so every round asks the daemon:
@@ -206,7 +190,7 @@ def test_many_buffered_readers_at_once_each_get_their_images_bytes(mount: Mount)
         i, rng = n % 4, random.Random(n)
         path = mount.image(f"img{i}:v1")
         for _round in range(3):
-            _drop_page_cache(path)
+            _drop_pages([path])
             with open(path, "rb", buffering=0) as f:
                 start = rng.choice([0, 0, MiB, 2 * MiB + 4096])
                 f.seek(start)
