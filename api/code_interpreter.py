@@ -21,9 +21,7 @@ import argparse
 import hashlib
 import io
 import json
-import os
 import shutil
-import subprocess
 import tarfile
 import tempfile
 from dataclasses import replace
@@ -31,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import vmm
-from layerstore.errors import StrataError
 
 from .compose import NodeContext
+from .debian import build_root
 
 TEMPLATE = "code-interpreter-v1"  # the SDK's default template (e2b_code_interpreter.constants)
 IMAGE = "strata-code-interpreter:v1"  # a node's own name: no team can replace it
@@ -47,7 +45,6 @@ READY = f"test -f {READY_FILE}"
 CONFIG = {"architecture": "amd64", "os": "linux",
           "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"],
                      "WorkingDir": "/root"}}
-MMDEBSTRAP_TIMEOUT = 1800
 
 
 def register(verbs: dict[str, Any], common: argparse.ArgumentParser) -> None:
@@ -79,31 +76,7 @@ def cmd_code_interpreter(args: argparse.Namespace, ctx: NodeContext) -> int:
 def debian_root(cache: Path, ctx: NodeContext) -> Path:
     """The Debian 12 root with Python and Jupyter's kernel, as a tar: made
     once by mmdebstrap from Debian's mirror, then taken from `cache`."""
-    if cache.is_file():
-        return cache
-    if shutil.which("mmdebstrap") is None:
-        raise StrataError("mmdebstrap is needed to build the Debian root (apt-get install mmdebstrap)")
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StrataError(f"cannot keep the Debian root at {cache}: {exc.strerror or exc}") from None
-    part = cache.with_name(f"partial-{os.getpid()}-{cache.name}")  # mmdebstrap picks its format by the suffix
-    mode = "root" if os.geteuid() == 0 else "unshare"
-    command = ["mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(PACKAGES)}", f"--mode={mode}",
-               "bookworm", str(part)]
-    try:
-        with ctx.out.status(f"building a Debian 12 root with {', '.join(PACKAGES)} (mmdebstrap, once: cached "
-                            f"in {cache})"):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=MMDEBSTRAP_TIMEOUT)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise StrataError(f"mmdebstrap failed (exit {done.returncode}): {last[:300]}")
-        part.replace(cache)
-    except subprocess.TimeoutExpired:
-        raise StrataError(f"mmdebstrap took over {MMDEBSTRAP_TIMEOUT} s") from None
-    finally:
-        part.unlink(missing_ok=True)
-    return cache
+    return build_root(cache, PACKAGES, status=ctx.out.status)
 
 
 def import_image(ctx: NodeContext, root: Path) -> str:

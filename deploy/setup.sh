@@ -5,6 +5,10 @@
 #   bash deploy/setup.sh test    install everything, then run the whole test suite
 #   bash deploy/setup.sh install install only (apt packages + .venv with the project)
 #   bash deploy/setup.sh bench   install everything plus the benchmark peers (restic, borg, casync, rclone)
+#   bash deploy/setup.sh latest  not gating: the SDK checks against the newest e2b releases, in .venv-latest
+#
+# What pip installs is pinned by deploy/constraints.txt (and npm's e2b by tests/js/package-lock.json),
+# so a new release of a dependency changes nothing until those files do; `latest` says what would.
 #
 # Idempotent: apt runs only for missing packages, pip only installs what changed.
 # Needs root (or sudo) for apt-get; everything else stays inside the checkout.
@@ -41,14 +45,43 @@ venv_install() {
         "$python" -m venv .venv
     fi
     log "installing Strata and its test dependencies into .venv"
-    # pip's build chatter goes to a log, shown only if the install fails
-    if ! { .venv/bin/python -m pip install -q --upgrade pip && .venv/bin/python -m pip install -q -e ".[test]"; } \
-            > .venv/pip-install.log 2>&1; then
-        cat .venv/pip-install.log >&2
-        echo "setup: pip install failed (log above, also in .venv/pip-install.log)" >&2
+    pip_into .venv -c deploy/constraints.txt
+}
+
+# pip_into VENV [PIP OPTIONS...]: the project with its test extras into VENV; pip's build chatter goes
+# to a log, shown only if the install fails
+pip_into() {
+    local venv=$1; shift
+    if ! { "$venv/bin/python" -m pip install -q --upgrade pip && "$venv/bin/python" -m pip install -q "$@" -e ".[test]"; } \
+            > "$venv/pip-install.log" 2>&1; then
+        cat "$venv/pip-install.log" >&2
+        echo "setup: pip install failed (log above, also in $venv/pip-install.log)" >&2
         exit 1
     fi
-    [ -x .venv/bin/strata ] || { echo "setup: .venv/bin/strata missing after install" >&2; exit 1; }
+    [ -x "$venv/bin/strata" ] || { echo "setup: $venv/bin/strata missing after install" >&2; exit 1; }
+}
+
+# The SDK checks (tests that read or drive the e2b SDKs) against the newest releases: pip's without
+# constraints in .venv-latest, npm's e2b@latest in its own directory. Not gating: it tells what the
+# next bump of the pins will have to mend. Servers the tests start still run .venv's strata.
+latest() {
+    local python=${PYTHON:-python3}
+    [ -x .venv-latest/bin/python ] || "$python" -m venv .venv-latest
+    log "installing the newest releases into .venv-latest (no constraints)"
+    pip_into .venv-latest --upgrade --upgrade-strategy eager
+    local js=${STRATA_JS_SDK_LATEST_DIR:-/var/tmp/strata-js-sdk-latest}
+    mkdir -p "$js"
+    (cd "$js" && npm install -q --no-audit --no-fund --no-save e2b@latest >/dev/null)
+    log "newest against pinned:"
+    for pkg in e2b e2b-code-interpreter; do
+        printf '  %-22s %-10s pinned %s\n' "$pkg" "$(.venv-latest/bin/python -m pip show "$pkg" | sed -n 's/^Version: //p')" \
+            "$(sed -n "s/^$pkg==//p" deploy/constraints.txt)"
+    done
+    printf '  %-22s %-10s pinned %s\n' "e2b (npm)" "$(node -p "require('$js/node_modules/e2b/package.json').version")" \
+        "$(node -p "require('./tests/js/package.json').dependencies.e2b")"
+    log "running the SDK checks with the newest SDKs"
+    STRATA_JS_SDK_DIR=$js STRATA_JS_SDK_UNPINNED=1 .venv-latest/bin/python -m pytest -q "$@" \
+        tests/test_e2b_sdk.py tests/test_e2b_spec.py tests/test_openapi.py tests/test_envd.py tests/test_code_interpreter.py
 }
 
 install() {
@@ -78,8 +111,13 @@ case "$MODE" in
         install
         apt_install "${BENCH_PACKAGES[@]}"
         ;;
+    latest)
+        install
+        apt_install "${TEST_PACKAGES[@]}"
+        latest "${@:2}"
+        ;;
     *)
-        echo "usage: bash deploy/setup.sh install|demo|test|bench" >&2
+        echo "usage: bash deploy/setup.sh install|demo|test|bench|latest" >&2
         exit 2
         ;;
 esac

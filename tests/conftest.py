@@ -186,6 +186,22 @@ def guest() -> Path:
     return GUEST_DIR
 
 
+def debian_tar(path: Path, packages: tuple[str, ...]) -> Path:
+    """A Debian 12 root with `packages` (api/debian.py: mmdebstrap, cached at `path`). Call it outside
+    any test network namespace: the build downloads from Debian's mirror."""
+    from api.debian import build_root
+    from layerstore.errors import StrataError
+
+    if not path.is_file() and shutil.which("mmdebstrap") is None:
+        if IN_CI:
+            pytest.fail("mmdebstrap is needed (deploy/setup.sh test installs it)")
+        pytest.skip("mmdebstrap not installed (apt-get install mmdebstrap)")
+    try:
+        return build_root(path, packages)
+    except StrataError as exc:
+        pytest.fail(str(exc))
+
+
 @pytest.fixture
 def served_disk(tmp_path: Path, guest: Path) -> Iterator[tuple[object, Path]]:
     """The guest rootfs imported into a store and served as a sandbox disk through FUSE."""

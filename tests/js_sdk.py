@@ -17,6 +17,24 @@ from tests.conftest import IN_CI
 
 JS_SDK = Path(os.environ.get("STRATA_JS_SDK_DIR", "/var/tmp/strata-js-sdk"))  # npm's e2b, installed once
 SCRIPTS = Path(__file__).parent / "js"
+LOCK = SCRIPTS / "package-lock.json"  # the pinned tree (npm ci): a new npm release changes nothing here
+
+
+def install_sdk() -> None:
+    """npm's e2b in JS_SDK, exactly as LOCK pins it; kept while the lock is the same. Under
+    `deploy/setup.sh latest` (STRATA_JS_SDK_UNPINNED) the newest release is there already."""
+    if os.environ.get("STRATA_JS_SDK_UNPINNED"):
+        return
+    stamp = JS_SDK / ".strata-lock"  # written once npm ci succeeded
+    if stamp.is_file() and stamp.read_bytes() == LOCK.read_bytes():
+        return
+    JS_SDK.mkdir(parents=True, exist_ok=True)
+    for name in ("package.json", "package-lock.json"):
+        shutil.copy(SCRIPTS / name, JS_SDK / name)
+    r = subprocess.run(["npm", "ci", "--prefix", str(JS_SDK), "--no-audit", "--no-fund"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"npm ci of tests/js/package-lock.json failed: {r.stderr[-2000:]}"
+    stamp.write_bytes(LOCK.read_bytes())
 
 
 def run_js(script: str, env: dict[str, str]) -> dict[str, Any]:
@@ -25,9 +43,7 @@ def run_js(script: str, env: dict[str, str]) -> dict[str, Any]:
         if IN_CI:
             pytest.fail("node and npm are needed (deploy/setup.sh installs them)")
         pytest.skip("node/npm not installed (apt-get install nodejs npm)")
-    if not (JS_SDK / "node_modules" / "e2b").exists():
-        subprocess.run(["npm", "install", "--prefix", str(JS_SDK), "--no-audit", "--no-fund", "e2b@2"],
-                       check=True, capture_output=True, timeout=600)
+    install_sdk()
     target = JS_SDK / script  # beside node_modules, so `import 'e2b'` finds it
     shutil.copy(SCRIPTS / script, target)
     full = {**os.environ, **env}

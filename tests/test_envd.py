@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import IN_CI, ROOT, needs_qemu
+from tests.conftest import ROOT, debian_tar, needs_qemu
 from tests.js_sdk import run_js
 from tests.node_server import API_KEY, NodeServer
 
@@ -411,18 +411,9 @@ DEBIAN_TAR = Path(os.environ.get("STRATA_DEBIAN_TAR", "/var/tmp/strata-debian-mi
 
 
 def debian_rootfs() -> Path:
-    """Debian 12 minbase + python3 from Debian's packages (mmdebstrap, ~15 s,
+    """Debian 12 minbase + python3 from Debian's packages (mmdebstrap, ~40 s,
     cached like the guest kernel)."""
-    if not DEBIAN_TAR.exists():
-        if shutil.which("mmdebstrap") is None:
-            if IN_CI:
-                pytest.fail("mmdebstrap is needed (deploy/setup.sh test installs it)")
-            pytest.skip("mmdebstrap not installed (apt-get install mmdebstrap)")
-        part = DEBIAN_TAR.with_name("partial-" + DEBIAN_TAR.name)  # mmdebstrap picks its format by the suffix
-        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "--include=python3", "--mode=root",
-                        "bookworm", str(part)], check=True, capture_output=True, timeout=900)
-        part.replace(DEBIAN_TAR)
-    return DEBIAN_TAR
+    return debian_tar(DEBIAN_TAR, ("python3",))
 
 
 def test_a_debian_image_from_mmdebstrap_boots_and_runs_python(sdk: type, server: NodeServer, tmp_path: Path) -> None:
