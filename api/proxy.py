@@ -37,6 +37,11 @@ WS_OWN = frozenset({b"host", b"sec-websocket-key", b"sec-websocket-version", b"s
                     b"sec-websocket-protocol", b"connection", b"upgrade"})
 TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=30.0)
 MAX_TARGET = 8192  # bytes of a request target (path and query); longer is 414
+# A WebSocket message, either way: a longer one closes the socket with 1009 before its payload is read (a
+# frame's header declares its length). Uvicorn takes these for the client's side (api/server.py), the
+# relay for the target's; with WS_QUEUE frames buffered at most, one socket holds ~5 x 16 MiB at worst.
+MAX_WS_MESSAGE = 16 << 20
+WS_QUEUE = 4
 _PATH = re.compile(rb"^/(?!/)[!-~]*$")  # '/' then printable ASCII; not '//' (a network-path reference)
 _QUERY = re.compile(rb"^[!-~]*$")
 
@@ -163,8 +168,8 @@ async def forward_websocket(scope: Scope, receive: Any, send: Any, url: str, *, 
     target = {"host": connect_to[0], "port": connect_to[1]} if connect_to else {}
     try:
         upstream = await ws_connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
-                                    open_timeout=10, max_size=None, compression=None, user_agent_header=None,
-                                    proxy=None, **target)
+                                    open_timeout=10, max_size=MAX_WS_MESSAGE, max_queue=WS_QUEUE, compression=None,
+                                    user_agent_header=None, proxy=None, **target)
     except (OSError, TimeoutError, InvalidHandshake):
         await send({"type": "websocket.close", "code": 1011, "reason": f"{what}: no WebSocket"[:120]})
         return
@@ -183,17 +188,28 @@ async def forward_websocket(scope: Scope, receive: Any, send: Any, url: str, *, 
             tasks.cancel_scope.cancel()
 
         async def to_client() -> None:
+            code = 1000
             try:
                 async for data in upstream:
                     key = "text" if isinstance(data, str) else "bytes"
                     await send({"type": "websocket.send", key: data})
-            except ConnectionClosed:
-                pass
-            await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+                code = upstream.close_code or 1000
+            except ConnectionClosed as closed:
+                code = relayed_close_code(closed)
+            await send({"type": "websocket.close", "code": code})
             tasks.cancel_scope.cancel()
 
         tasks.start_soon(to_target)
         tasks.start_soon(to_client)
+
+
+def relayed_close_code(closed: ConnectionClosed) -> int:
+    """The close code a client gets when its target's socket failed: the relay's own when the relay
+    ended it (1009: a message over MAX_WS_MESSAGE), else the target's; 1011 for none, or for one that
+    no close frame may carry (1005, 1006, 1015)."""
+    frame = closed.sent if closed.sent is not None and not closed.rcvd_then_sent else closed.rcvd
+    code = frame.code if frame is not None else 1011
+    return code if 1000 <= code <= 4999 and code not in (1004, 1005, 1006, 1015) else 1011
 
 
 async def refuse(scope: Scope, send: Any, status: int, message: str) -> None:

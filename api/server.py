@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from layerstore.errors import InvalidInput
 
 if TYPE_CHECKING:
+    from layerstore.config import NodeConfig
+
     from .compose import NodeContext
     from .node import Node
 
@@ -42,9 +44,18 @@ def watch_metrics(node: Node) -> None:
     node.metrics.watch(states, cache, traffic)
 
 
-def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
+def run_uvicorn(app: Any, config: NodeConfig) -> None:
+    """Serve `app` on the configured address; a WebSocket message from a client is capped as the relay
+    caps its targets' (api/proxy.py)."""
     import uvicorn
 
+    from .proxy import MAX_WS_MESSAGE, WS_QUEUE
+
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=10,
+                ws_max_size=MAX_WS_MESSAGE, ws_max_queue=WS_QUEUE)
+
+
+def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
     from .app import create_app
 
     config = ctx.config
@@ -58,16 +69,13 @@ def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
     try:
         log.info("serving %s on http://%s:%d (mount %s)", node.store.describe(), config.host, config.port,
                  config.mount)
-        uvicorn.run(create_app(node), host=config.host, port=config.port, log_level="warning",
-                    timeout_graceful_shutdown=10)
+        run_uvicorn(create_app(node), config)
     finally:
         node.stop()
     return 0
 
 
 def cmd_gateway(args: argparse.Namespace, ctx: NodeContext) -> int:
-    import uvicorn
-
     from layerstore.store import open_node_backend
 
     from .gateway import Cluster, Gateway
@@ -80,8 +88,7 @@ def cmd_gateway(args: argparse.Namespace, ctx: NodeContext) -> int:
     backend = open_node_backend(config, config.store)
     cluster = Cluster(backend, refresh=args.refresh)
     log.info("gateway for the nodes of %s on http://%s:%d", backend.describe(), config.host, config.port)
-    uvicorn.run(Gateway(cluster), host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=10)
+    run_uvicorn(Gateway(cluster), config)
     return 0
 
 

@@ -1,13 +1,29 @@
 """Rows: where a proxied request goes (api/proxy.py). The gateway and the
 node's port proxy build each upstream URL from their own scheme, host and
 port; a request target that is not origin-form is refused before routing.
-Raw sockets, since no HTTP client sends these targets."""
+Raw sockets, since no HTTP client sends these targets. And what a hostile
+WebSocket target can make the relay hold: one message of 16 MiB at most."""
 
 from __future__ import annotations
 
-import pytest
+import base64
+import hashlib
+import os
+import re
+import socket
+import struct
+import threading
+from pathlib import Path
 
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from layerstore import nodes
+from layerstore.store import open_store
 from tests.attacks.lab import BAIT, BETA, Lab, raw, status_of
+from tests.test_gateway import Gateway
+from vmm import placement
 
 TARGETS = {
     "userinfo": b"@127.0.0.1:{bait}/",
@@ -81,3 +97,81 @@ def test_an_origin_form_request_still_passes(lab: Lab) -> None:
                + lab.alpha.headers["X-API-Key"].encode() + b"\r\nConnection: close\r\n\r\n")
     reply = raw(port, request)
     assert status_of(reply) == 200 and lab.sandbox["sandboxID"].encode() in reply, reply[:300]
+
+
+COUNT = 256  # MiB the hostile target sends of its one message: 16 times the cap
+
+
+class HostileWebSocket:
+    """A WebSocket server on loopback standing in for a guest's port (or a node, to the gateway): it
+    completes the handshake, then sends one message far over any cap, `shape` deciding how, as fast
+    as it is taken. `sent` counts the bytes it got rid of before the reader hung up."""
+
+    def __init__(self, shape: str) -> None:
+        self.shape, self.sent, self.done = shape, 0, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.settimeout(30)
+                request = b""
+                while b"\r\n\r\n" not in request and len(request) < 65536:
+                    request += conn.recv(4096)
+                key = re.search(rb"(?im)^sec-websocket-key:\s*(\S+)", request).group(1)
+                accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+                conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                             b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+                block = bytes(1 << 20)
+                if self.shape == "one-frame":  # FIN, binary; 64-bit length 32 GiB; then zeros
+                    conn.sendall(b"\x82\x7f" + struct.pack(">Q", 32 << 30))
+                    frames = [block] * COUNT
+                else:  # one message in 1 MiB fragments: binary without FIN, then continuations
+                    frames = [(b"\x02" if i == 0 else b"\x00") + b"\x7f" + struct.pack(">Q", len(block)) + block
+                              for i in range(COUNT)]
+                for frame in frames:
+                    conn.sendall(frame)
+                    self.sent += len(frame)
+        except OSError:
+            pass  # the reader hung up: what it took is in `sent`
+        finally:
+            self.done.set()
+            self.listener.close()
+
+
+def peak_rss(pid: int) -> int:
+    """The process's high-water resident memory, in bytes (VmHWM)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+@pytest.mark.parametrize("shape", ["one-frame", "fragments"])
+def test_an_oversized_websocket_message_is_refused_unread(tmp_path: Path, shape: str) -> None:
+    """attacker: root in a guest (a WebSocket server on its port), or a node.  target: the memory of
+    the relay that passes WebSockets on (api/proxy.py: the node's port proxy, the gateway).
+    attempt: one message far over any cap: a frame declaring 32 GiB, or 256 MiB of 1 MiB fragments.
+    must: the relay closes the client with 1009 once past 16 MiB, hangs up on the target, and its
+    peak memory grows by less than 64 MiB (it discards what the target still sends)."""
+    hostile = HostileWebSocket(shape)
+    store = open_store(str(tmp_path / "store"), create=True)
+    nodes.publish(store.backend, "hostile-node", [], about={"url": f"http://127.0.0.1:{hostile.port}", "max": 4})
+    placement.place(store.backend, "sbevil", "hostile-node")
+    store.close()
+    gateway = Gateway(tmp_path, {**os.environ, "STRATA_STORE": str(tmp_path / "store")}, host="127.0.0.1", prefix=())
+    try:
+        gateway.wait_for(1)
+        before = peak_rss(gateway.proc.pid)
+        sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)
+        with connect("ws://8000-sbevil.sandboxes.test/", sock=sock, open_timeout=10, max_size=None) as ws:
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=60)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+        assert hostile.done.wait(60), "the relay never hung up on the hostile target"
+        grown = peak_rss(gateway.proc.pid) - before
+        print(f"{shape}: the relay's peak memory grew by {grown >> 20} MiB; the target sent {hostile.sent >> 20} MiB")
+        assert grown < 64 << 20, f"the relay's peak memory grew by {grown >> 20} MiB"
+    finally:
+        gateway.stop()
