@@ -510,7 +510,8 @@ def test_dockerfile_installs_like_setup_sh_and_serves_the_config_port() -> None:
     runs = " ".join(a for k, a in steps if k == "RUN")
     assert "bash deploy/setup.sh install" in runs, "the image installs exactly as the README does"
     setup = (DEPLOY / "setup.sh").read_text()
-    assert ".venv/bin/python -m pip install" in setup and "-e \".[test]\"" in setup
+    assert '"$venv/bin/python" -m pip install' in setup and "-e \".[test]\"" in setup
+    assert "pip_into .venv -c deploy/constraints.txt" in setup, "the image installs the pinned releases"
     assert "install -m 0644 deploy/config.example.toml /etc/strata/config.toml" in runs
     env = " ".join(a for k, a in steps if k == "ENV")
     assert "STRATA_CONFIG=/etc/strata/config.toml" in env
@@ -520,6 +521,25 @@ def test_dockerfile_installs_like_setup_sh_and_serves_the_config_port() -> None:
     health = dict(steps)["HEALTHCHECK"]
     assert f"http://127.0.0.1:{PORT}/health" in health and f"{workdir}/.venv/bin/python" in health
     assert "VOLUME" in kinds and dict(steps)["VOLUME"] == "/var/lib/strata"
+
+
+def test_every_dependency_is_pinned() -> None:
+    """deploy/constraints.txt pins each of pyproject's dependencies and test extras to one release,
+    so what CI installs changes only with that file (a dependency added without a pin fails here)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    pins = {}
+    for line in (DEPLOY / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not NAME==VERSION"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    for requirement in wanted:
+        name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group(0)).lower()
+        assert name in pins, f"{requirement} is not pinned in deploy/constraints.txt"
+    lock = json.loads((ROOT / "tests/js/package-lock.json").read_text())
+    assert lock["packages"]["node_modules/e2b"]["version"] == \
+        json.loads((ROOT / "tests/js/package.json").read_text())["dependencies"]["e2b"]
 
 
 def test_dockerfile_documents_what_it_needs() -> None:
