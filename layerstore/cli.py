@@ -292,6 +292,9 @@ def cmd_gc(args: argparse.Namespace, ctx: StoreContext) -> int:
         text += f"\ndeletion postponed: {r.postponed}"
     if r.missing:
         text += f"\nroots name {len(r.missing)} missing object(s), e.g. {r.missing[0]} (run `strata verify`)"
+    if r.quarantined:
+        text += (f"\n{len(r.quarantined)} malformed volume index(es) quarantined, every layer they may name kept: "
+                 + "; ".join(r.quarantined[:3]) + " (mend or delete them: `strata verify` lists them)")
     if r.holds:
         text += ("\nkept for nodes that pulled lazily from this store: "
                  + ", ".join(f"{h['node']} ({h['layers']} layers, written {h['age'] / 86400:.1f} d ago)"

@@ -47,7 +47,7 @@ from .manifest import MANIFEST_PREFIX, manifest_key
 from .pack import PACK_PREFIX, pack_key
 from .reach import Closure, Name
 from .store import PARTIAL_PREFIX, PREFETCH_PREFIX, SET_CHUNKS_PREFIX, Store
-from .volumes import Volumes
+from .volumes import Salvaged, Volumes
 
 CANDIDATES = "gc/candidates"
 SWEPT_PREFIXES = (MANIFEST_PREFIX, CHUNK_PREFIX, PACK_PREFIX)
@@ -69,6 +69,7 @@ class Plan:
     candidates: dict[str, float] = field(default_factory=dict)  # unmarked and old: key -> first seen
     deletable: list[str] = field(default_factory=list)  # candidates of an earlier run, past the margin
     missing: list[str] = field(default_factory=list)  # objects a root names that are gone (verify reports them)
+    quarantined: list[str] = field(default_factory=list)  # malformed volume indexes, kept with what they name
 
 
 @dataclass
@@ -85,36 +86,42 @@ class GcReport:
     dry_run: bool
     seconds: float
     holds: list[dict[str, object]] = field(default_factory=list)  # nodes' holds kept: node, layers, age (s)
+    quarantined: list[str] = field(default_factory=list)  # "KEY: why": malformed volume indexes, their layers kept
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 
 def roots(store: Store) -> list[Name]:
+    return _roots(store)[0]
+
+
+def _roots(store: Store) -> tuple[list[Name], list[Salvaged]]:
+    """The store's roots, and the volume indexes no reader can parse (salvaged, not roots)."""
     names = [Name("image", str(ref)) for ref, _manifest, _updated in store.list_refs()]
     names += [Name("template", t.name) for t in store.list_templates()]
     names += [Name("snapshot", s) for s in store.list_snapshots()]
-    volumes = Volumes(store.backend)
-    names += [Name("layer", layer) for volume in volumes.list(strict=True) for layer in volume.layers()]
-    names += [Name("layer", layer) for snap in volumes.snapshots(strict=True) for layer in snap.volume.layers()]
-    return names
+    layers, salvaged = Volumes(store.backend).gc_roots()
+    return names + [Name("layer", layer) for layer in layers], salvaged
 
 
-def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str]]:
-    """Keys of every object a root reaches, and the layer manifests the
+def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str], list[Salvaged]]:
+    """Keys of every object a root reaches, the layer manifests the
     store's own roots need but are missing (damage: `collect` refuses to run
-    past it). What
-    `extra` roots name may live in another store (a node's own layers in
-    its record on a shared store): their missing objects are not damage."""
+    past it), and the malformed volume indexes. What `extra` roots name may
+    live in another store (a node's own layers in its record on a shared
+    store), and what a malformed index seems to name may be no layer at all:
+    their missing objects are not damage."""
     closure = Closure()
-    for name in roots(store):
+    names, salvaged = _roots(store)
+    for name in names:
         try:
             closure.add(store, name, strict=False)
         except NotFound:  # a template naming a deleted image: nothing to keep for it
             closure.missing.append(f"{name.kind} {name.value}")
     # a missing layer manifest is lost data; a dangling template or a deleted parent snapshot is not
     damage = [m for m in closure.missing if m.startswith("manifest ")]
-    for name in extra:
+    for name in [*extra, *(Name("layer", layer) for bad in salvaged for layer in bad.layers)]:
         try:
             closure.add(store, name, strict=False)
         except NotFound:
@@ -122,7 +129,7 @@ def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str]]
     keys = {manifest_key(m) for m in closure.layers}
     keys |= {chunk_key(d) for d in closure.chunks}
     keys |= {pack_key(p) for p in closure.packs}
-    return keys, damage
+    return keys, damage, salvaged
 
 
 def _read_candidates(store: Store) -> dict[str, float]:
@@ -141,7 +148,8 @@ def plan(store: Store, *, grace: float = DEFAULT_GRACE, now: float | None = None
     now = store_now(store.backend) if now is None else now
     result = Plan(now=now, grace=grace)
     listed = [info for prefix in SWEPT_PREFIXES for info in store.backend.list(prefix)]
-    marked, result.missing = mark(store, extra_roots)
+    marked, result.missing, salvaged = mark(store, extra_roots)
+    result.quarantined = [f"{bad.key}: {bad.reason}" for bad in salvaged]
     previous = _read_candidates(store)
     result.scanned = len(listed)
     for info in listed:
@@ -204,7 +212,7 @@ def collect(
     return GcReport(scanned=p.scanned, marked=p.marked, candidates=len(p.candidates),
                     deletable=len(p.deletable), deleted=0 if dry_run else deleted, freed_bytes=0 if dry_run else freed,
                     retained=len(p.young), postponed=postponed, missing=p.missing, dry_run=dry_run,
-                    seconds=time.monotonic() - started, holds=holds)
+                    seconds=time.monotonic() - started, holds=holds, quarantined=p.quarantined)
 
 
 def _forget(store: Store, p: Plan, batch: list[str]) -> int:
@@ -259,7 +267,7 @@ def _sweep(store: Store, backend: Backend, p: Plan, extra: list[Name],
             postponed = f"{len(leases)} live lease(s), e.g. {next(iter(leases.values())).get('what', '?')}"
             doomed: list[str] = []
         else:
-            again, _missing = mark(store, [*extra, *cluster()])  # re-check right before deleting
+            again, _missing, _salvaged = mark(store, [*extra, *cluster()])  # re-check right before deleting
             # a GC that finished since this one planned took what it deleted off the candidates
             still = _read_candidates(store)
             doomed = [k for k in p.deletable if k not in again and k in still]

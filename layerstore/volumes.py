@@ -136,6 +136,22 @@ def parse_snapshot(snapshot_id: str, blob: bytes) -> VolumeSnapshot:
         raise CorruptObject(f"volume snapshot {snapshot_id} is malformed: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Salvaged:
+    """A volume's (or volume snapshot's) index that no reader can parse. GC keeps, unverified, every
+    layer its bytes may name, and reports it: one bad index neither stops GC for the rest of the
+    store nor loses its own data, and `strata verify` names it for an operator to mend."""
+
+    key: str
+    reason: str
+    layers: tuple[str, ...]  # every 64-hex string in its bytes (layer ids, and the token: never a layer)
+
+
+def salvage(key: str, blob: bytes, reason: str) -> Salvaged:
+    found = sorted(set(re.findall(r"[0-9a-f]{64}", blob.decode("latin-1"))))
+    return Salvaged(key, reason[:300], tuple(found))
+
+
 class VolumeFull(InvalidInput):
     """A change would take a volume past MAX_ENTRIES."""
 
@@ -175,16 +191,30 @@ def check_path(text: str) -> str:
     return "/".join(parts)
 
 
+def check_entry(path: str, entry: Entry) -> None:
+    """InvalidInput unless `path` and `entry` are as a reader of the index takes them (parse_volume)."""
+    if check_path(path) != path or entry.type not in (FILE, DIRECTORY, SYMLINK) or entry.size < 0:
+        raise InvalidInput(f"bad entry {path[:200]!r}")
+    if entry.layer is not None:
+        check_digest(entry.layer, what="layer")
+
+
+def check_change(old: Volume, new: Volume) -> None:
+    """InvalidInput unless each entry `new` holds and `old` did not (as it is) passes check_entry:
+    what a change writes is what every reader can read. A bad index, once written, is unreadable to
+    all of them: its sandboxes' mounts, listings, quotas, and GC (which then only salvages it)."""
+    for path, entry in new.entries.items():
+        if old.entries.get(path) is not entry:
+            check_entry(path, entry)
+
+
 def parse_volume(volume_id: str, blob: bytes) -> Volume:
     try:
         data = json.loads(blob)
         entries = {}
         for path, e in data["entries"].items():
             entry = Entry(**e)
-            if check_path(path) != path or entry.type not in (FILE, DIRECTORY, SYMLINK) or entry.size < 0:
-                raise ValueError(f"bad entry {path!r}")
-            if entry.layer is not None:
-                check_digest(entry.layer, what="layer")
+            check_entry(path, entry)
             entries[path] = entry
         return Volume(volume_id, check_volume_name(data["name"]), str(data["owner"]), float(data["created"]),
                       str(data["token"]), entries)
@@ -205,6 +235,8 @@ class Volumes:
         """A new volume, empty or holding `entries` (a snapshot's); Conflict
         if `owner` already has one of that name."""
         check_volume_name(name)
+        for path, entry in (entries or {}).items():
+            check_entry(path, entry)
         if any(v.name == name and v.owner == owner for v in self.list()):
             raise Conflict(f"volume {name} already exists")
         volume = Volume(new_volume_id(), name, owner, time.time(), secrets.token_hex(32), dict(entries or {}))
@@ -233,7 +265,12 @@ class Volumes:
     def publish(self, volume: Volume) -> None:
         """Write `volume` as it is (a copy from another store: push, pull),
         replacing what this store had under its id."""
-        self._backend.put(VOLUME_PREFIX + check_volume_id(volume.id), volume.encode())
+        blob = volume.encode()
+        try:
+            parse_volume(volume.id, blob)
+        except CorruptObject as exc:
+            raise InvalidInput(f"volume {volume.id} not published: {exc}") from None
+        self._backend.put(VOLUME_PREFIX + check_volume_id(volume.id), blob)
 
     def delete(self, volume_id: str) -> Volume:
         volume = self.get(volume_id)
@@ -274,6 +311,25 @@ class Volumes:
         self._backend.delete(SNAPSHOT_PREFIX + snap.id)
         return snap
 
+    def gc_roots(self) -> tuple[list[str], list[Salvaged]]:
+        """The layers every volume and volume snapshot names, and the indexes that are malformed
+        (with what may be layers in their bytes), for GC: nothing here is left out or raised."""
+        layers: set[str] = set()
+        salvaged = []
+        for prefix, parse in ((VOLUME_PREFIX, parse_volume), (SNAPSHOT_PREFIX, parse_snapshot)):
+            for info in self._backend.list(prefix):
+                try:
+                    blob = self._backend.get(info.key)
+                except NotFound:
+                    continue  # deleted since the listing
+                try:
+                    found = parse(info.key[len(prefix):], blob)
+                except CorruptObject as exc:
+                    salvaged.append(salvage(info.key, blob, str(exc)))
+                    continue
+                layers.update((found.volume if isinstance(found, VolumeSnapshot) else found).layers())
+        return sorted(layers), salvaged
+
     def change(self, volume_id: str, edit: Callable[[Volume], Volume]) -> Volume:
         """Apply `edit` to the current volume and publish the result if
         nobody changed it meanwhile (else read again and retry, after a
@@ -288,6 +344,7 @@ class Volumes:
                 changed = edit(volume)
                 if len(changed.entries) > MAX_ENTRIES:
                     raise VolumeFull(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
+                check_change(volume, changed)
                 if self._backend.put_if(VOLUME_PREFIX + volume.id, changed.encode(), version) is not None:
                     return changed
                 time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))

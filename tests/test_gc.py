@@ -512,3 +512,28 @@ def test_a_hold_names_only_what_the_node_reads_lazily(tmp_path: Path) -> None:
 def store_snapshot_on(store: Store, disk: str, tmp_path: Path) -> str:
     """A snapshot in `store` whose disk layer is `disk` (a node's sandbox over a pulled image)."""
     return store.put_snapshot(_snap({**_layers(store, tmp_path), "disk": disk}))
+
+
+def test_a_malformed_volume_index_is_quarantined_its_layers_kept_and_gc_goes_on(store: Store, tmp_path: Path) -> None:
+    """A volume index no reader can parse (a path past MAX_PATH, as a guest's rename once wrote) no
+    longer stops GC for the whole store: GC keeps every layer its bytes name, reports it, and
+    collects the rest; verify names it."""
+    from layerstore.volumes import Volumes
+
+    doomed = garbage(store, tmp_path, seed=3)
+    named = garbage(store, tmp_path, seed=4)  # unreferenced but for the malformed index below
+    layer = next(k for k in named if k.startswith("manifests/")).removeprefix("manifests/")
+    good = Volumes(store.backend).create("good", "alpha")
+    bad_key = "volumes/vol" + "0" * 16
+    entries = {"d/" + "x" * 5000: {"type": "file", "mode": 0o644, "size": 1, "layer": layer}}
+    store.backend.put(bad_key, json.dumps({"v": 1, "name": "bad", "owner": "beta", "created": 1.0,
+                                           "token": "0" * 64, "entries": entries}).encode())
+    assert [v.id for v in Volumes(store.backend).list()] == [good.id]  # listings leave it out
+    first = gc.collect(store, grace=0, now=time.time() + 10)
+    second = gc.collect(store, grace=0, now=time.time() + 20)
+    assert second.quarantined and second.quarantined[0].startswith(f"{bad_key}: volume vol{'0' * 16} is malformed")
+    assert first.quarantined == second.quarantined
+    remaining = keys(store, "manifests/") | keys(store, "chunks/")
+    assert named <= remaining, "what the malformed index names is kept"
+    assert not (doomed - named) & remaining, "the rest of the store is still collected"
+    assert any(line.startswith(bad_key) for line in verify_store(store).bad_manifests)

@@ -36,7 +36,7 @@ from posixpath import basename, dirname
 
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.store import Store
-from layerstore.volumes import (DIRECTORY, FILE, MAX_ENTRIES, SYMLINK, Entry, Volume, VolumeFull, Volumes,
+from layerstore.volumes import (DIRECTORY, FILE, MAX_ENTRIES, MAX_PATH, SYMLINK, Entry, Volume, VolumeFull, Volumes,
                                 check_path, put_entry, read_bytes, remove, store_bytes)
 
 log = logging.getLogger("strata.vmm.volumes")
@@ -526,6 +526,8 @@ def _moved(volume: Volume, path: str, to: str, *, noreplace: bool) -> Volume:
             raise fail(errno.ENOTEMPTY)
     entries = {p: e for p, e in volume.entries.items() if p != to}
     moved = {p: e for p, e in entries.items() if p == path or p.startswith(path + "/")}
+    if len(to) + max(len(p) for p in moved) - len(path) > MAX_PATH:
+        raise fail(errno.ENAMETOOLONG, f"a path under /{to[:200]} would be longer than {MAX_PATH}")
     for p in moved:
         del entries[p]
     for p, e in moved.items():
