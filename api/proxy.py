@@ -193,7 +193,7 @@ async def forward_websocket(scope: Scope, receive: Any, send: Any, url: str, *, 
                 async for data in upstream:
                     key = "text" if isinstance(data, str) else "bytes"
                     await send({"type": "websocket.send", key: data})
-                code = upstream.close_code or 1000
+                code = sendable_close_code(upstream.close_code, 1000)  # 1005: closed without a code
             except ConnectionClosed as closed:
                 code = relayed_close_code(closed)
             await send({"type": "websocket.close", "code": code})
@@ -208,8 +208,12 @@ def relayed_close_code(closed: ConnectionClosed) -> int:
     ended it (1009: a message over MAX_WS_MESSAGE), else the target's; 1011 for none, or for one that
     no close frame may carry (1005, 1006, 1015)."""
     frame = closed.sent if closed.sent is not None and not closed.rcvd_then_sent else closed.rcvd
-    code = frame.code if frame is not None else 1011
-    return code if 1000 <= code <= 4999 and code not in (1004, 1005, 1006, 1015) else 1011
+    return sendable_close_code(frame.code if frame is not None else None, 1011)
+
+
+def sendable_close_code(code: int | None, default: int) -> int:
+    """`code` if a close frame may carry it (RFC 6455 7.4: not 1004-1006, 1015), else `default`."""
+    return code if code is not None and 1000 <= code <= 4999 and code not in (1004, 1005, 1006, 1015) else default
 
 
 async def refuse(scope: Scope, send: Any, status: int, message: str) -> None:

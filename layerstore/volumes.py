@@ -199,12 +199,13 @@ def check_entry(path: str, entry: Entry) -> None:
         check_digest(entry.layer, what="layer")
 
 
-def check_change(old: Volume, new: Volume) -> None:
+def check_entries(new: dict[str, Entry], old: dict[str, Entry] | None = None) -> None:
     """InvalidInput unless each entry `new` holds and `old` did not (as it is) passes check_entry:
-    what a change writes is what every reader can read. A bad index, once written, is unreadable to
-    all of them: its sandboxes' mounts, listings, quotas, and GC (which then only salvages it)."""
-    for path, entry in new.entries.items():
-        if old.entries.get(path) is not entry:
+    what is written is what every reader can read. A bad index, once written, is unreadable to all
+    of them: its sandboxes' mounts, listings, quotas, and GC (which then only salvages it)."""
+    old = old or {}
+    for path, entry in new.items():
+        if old.get(path) is not entry:
             check_entry(path, entry)
 
 
@@ -235,8 +236,7 @@ class Volumes:
         """A new volume, empty or holding `entries` (a snapshot's); Conflict
         if `owner` already has one of that name."""
         check_volume_name(name)
-        for path, entry in (entries or {}).items():
-            check_entry(path, entry)
+        check_entries(entries or {})
         if any(v.name == name and v.owner == owner for v in self.list()):
             raise Conflict(f"volume {name} already exists")
         volume = Volume(new_volume_id(), name, owner, time.time(), secrets.token_hex(32), dict(entries or {}))
@@ -247,9 +247,8 @@ class Volumes:
     def get(self, volume_id: str) -> Volume:
         return self._read(check_volume_id(volume_id))[0]
 
-    def list(self, *, strict: bool = False) -> list[Volume]:
-        """Every volume, by name; a malformed one is left out, or with
-        `strict` (GC, which must not delete what it names) raised."""
+    def list(self) -> list[Volume]:
+        """Every volume, by name; a malformed one is left out (GC salvages it: gc_roots)."""
         out = []
         for info in self._backend.list(VOLUME_PREFIX):
             try:
@@ -257,20 +256,18 @@ class Volumes:
             except NotFound:
                 continue  # deleted since the listing
             except CorruptObject:
-                if strict:
-                    raise
                 continue
         return sorted(out, key=lambda v: (v.name, v.id))
 
     def publish(self, volume: Volume) -> None:
         """Write `volume` as it is (a copy from another store: push, pull),
         replacing what this store had under its id."""
-        blob = volume.encode()
         try:
-            parse_volume(volume.id, blob)
-        except CorruptObject as exc:
+            check_volume_name(volume.name)
+            check_entries(volume.entries)
+        except InvalidInput as exc:
             raise InvalidInput(f"volume {volume.id} not published: {exc}") from None
-        self._backend.put(VOLUME_PREFIX + check_volume_id(volume.id), blob)
+        self._backend.put(VOLUME_PREFIX + check_volume_id(volume.id), volume.encode())
 
     def delete(self, volume_id: str) -> Volume:
         volume = self.get(volume_id)
@@ -292,9 +289,8 @@ class Volumes:
         except NotFound:
             raise NotFound(f"volume snapshot {snapshot_id} not found") from None
 
-    def snapshots(self, *, strict: bool = False) -> list[VolumeSnapshot]:
-        """Every volume snapshot, oldest first; a malformed one is left out,
-        or with `strict` (GC) raised."""
+    def snapshots(self) -> list[VolumeSnapshot]:
+        """Every volume snapshot, oldest first; a malformed one is left out (GC salvages it: gc_roots)."""
         out = []
         for info in self._backend.list(SNAPSHOT_PREFIX):
             try:
@@ -302,8 +298,7 @@ class Volumes:
             except NotFound:
                 continue
             except CorruptObject:
-                if strict:
-                    raise
+                continue
         return sorted(out, key=lambda s: (s.taken, s.id))
 
     def delete_snapshot(self, snapshot_id: str) -> VolumeSnapshot:
@@ -344,7 +339,7 @@ class Volumes:
                 changed = edit(volume)
                 if len(changed.entries) > MAX_ENTRIES:
                     raise VolumeFull(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
-                check_change(volume, changed)
+                check_entries(changed.entries, volume.entries)
                 if self._backend.put_if(VOLUME_PREFIX + volume.id, changed.encode(), version) is not None:
                     return changed
                 time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))

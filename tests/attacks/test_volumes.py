@@ -1,6 +1,8 @@
 """Rows: one team against another's volume, through the control plane and
 the volume content API. Another team's volume answers as a missing one; the
-content API wants that volume's own token; no path leaves the volume."""
+content API wants that volume's own token; no path leaves the volume. And a
+guest against the store's index of its mounted volume, over the node's end of
+the volume port (tests/test_vmm_volumeport.py's stand-in for the guest)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import httpx
 import pytest
 
 from tests.attacks.lab import Lab
+from tests.test_vmm_volumeport import served  # noqa: F401 (the volume port's fixture)
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +83,25 @@ def test_another_teams_volume_cannot_be_mounted(lab: Lab, volume: dict) -> None:
         assert r.status_code == 404 and volume["token"] not in r.text, r.text
     assert lab.beta.get("/v2/sandboxes").json() == before
 
+
+def test_a_guests_rename_cannot_make_the_volume_index_unreadable(served) -> None:  # noqa: F811
+    """attacker: root in a guest with a volume mounted.  target: the volume's index in the store,
+    which every team's GC reads.  attempt: rename a directory to a longer name, so that a path
+    under it passes MAX_PATH (4096).  must: ENAMETOOLONG, the index unchanged and readable, a
+    rename within the limit still moves, and GC plans over the store."""
+    import errno
+
+    from layerstore import gc
+
+    store, volumes, vid, _, guest, _ = served
+    path = "d"
+    guest.ok("mkdir", vid, path=path, mode=0o755)
+    for part in ["x" * 250] * 15 + ["y" * 200]:  # a child 3,967 characters deep
+        path += "/" + part
+        guest.ok("mkdir", vid, path=path, mode=0o755)
+    before = volumes.get(vid)
+    assert guest.call("rename", vid, path="d", to="z" * 200)[0]["errno"] == errno.ENAMETOOLONG
+    assert volumes.get(vid) == before
+    assert guest.ok("rename", vid, path="d", to="z" * 100)  # still within the limit: moved
+    assert max(len(p) for p in volumes.get(vid).entries) == len(path) + 99
+    gc.plan(store)  # reads every index strictly enough to keep what it names
