@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.refs import parse_ref
 from layerstore.registry import Credentials, Reference, is_registry_ref, parse_reference, pull_image
+from layerstore.tarsafe import HostileTar, TarRefused
 from layerstore.templates import check_template_name, new_template
 from vmm.agent import Agent, Exit, output_events
 from vmm.registry import new_sid
@@ -80,6 +81,7 @@ UPLOAD_TTL = 3600.0  # seconds an upload link stays valid
 UPLOAD_KEEP = 7 * 86400.0  # seconds an uploaded tar no build has used is kept
 PULL_TIMEOUT = 1800.0  # seconds a build's pull from a registry may take
 MAX_TAR_MEMBERS = 100_000
+MAX_TAR_BYTES = 16 << 30  # bytes the files of one uploaded tar unpack to (a gzip bomb reads no further)
 FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -348,7 +350,7 @@ class Builds:
     def _copy(self, agent: Agent, tar_path: Path, args: list[str], state: dict[str, Any]) -> None:
         src, dest = args[0].rstrip("/"), args[1]
         user = args[2] if len(args) > 2 and args[2] else state["user"]
-        with tarfile.open(tar_path) as tar:
+        with HostileTar.open(tar_path) as tar:
             for member in tar:
                 name = member.name.lstrip("./")
                 if not member.isfile():
@@ -401,18 +403,24 @@ def _check_hash(files_hash: str) -> None:
 
 
 def check_tar(path: Path) -> None:
-    """InvalidInput unless `path` is a tar a COPY step can use: readable,
-    at most MAX_TAR_MEMBERS entries of files, directories and links, no
-    absolute name and no `..` in any."""
+    """InvalidInput unless `path` is a tar a COPY step can use: readable
+    within tarsafe's bounds, at most MAX_TAR_MEMBERS entries of files,
+    directories and links holding MAX_TAR_BYTES, no absolute name and no
+    `..` in any."""
+    unpacked = 0
     try:
-        with tarfile.open(path) as tar:
+        with HostileTar.open(path) as tar:
             for n, member in enumerate(tar):
-                if n >= MAX_TAR_MEMBERS:
-                    raise InvalidInput(f"template files: more than {MAX_TAR_MEMBERS} entries")
+                unpacked += member.size
+                if n >= MAX_TAR_MEMBERS or unpacked > MAX_TAR_BYTES:
+                    raise InvalidInput(f"template files: more than {MAX_TAR_MEMBERS} entries or "
+                                       f"{MAX_TAR_BYTES >> 30} GiB unpacked")
                 parts = member.name.split("/")
                 if member.name.startswith("/") or ".." in parts:
                     raise InvalidInput(f"template files: unsafe name {member.name[:200]!r}")
                 if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
                     raise InvalidInput(f"template files: {member.name[:200]!r} is not a file, directory or link")
+    except TarRefused as exc:
+        raise InvalidInput(f"template files: refused: {exc}") from None
     except (tarfile.TarError, EOFError) as exc:
         raise InvalidInput(f"template files are not a tar: {exc}") from None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import CorruptObject, InvalidInput
+from .tarsafe import HostileTar, IndexedTar
 
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
@@ -93,7 +94,7 @@ class Source:
         self._tar: tarfile.TarFile | None = None
         if path.is_file():
             try:
-                self._tar = tarfile.open(path, "r:")
+                self._tar = IndexedTar.open(path, "r:")
             except (tarfile.TarError, OSError) as exc:
                 raise InvalidInput(f"{path}: not an image archive ({exc})") from None
 
@@ -145,10 +146,8 @@ def is_image(path: Path) -> bool:
     if path.is_dir():
         return (path / "oci-layout").is_file() or (path / "manifest.json").is_file()
     try:  # unreadable or missing: not for us to say (the raw import names the problem)
-        if not tarfile.is_tarfile(path):
-            return False
-        with tarfile.open(path, "r:") as tar:
-            names = set(tar.getnames()[:10000])
+        with HostileTar.open(path, "r:") as tar:
+            names = {member.name for member, _ in zip(tar, range(10000))}
     except (tarfile.TarError, OSError):
         return False
     return bool(names & {"oci-layout", "manifest.json", "./oci-layout", "./manifest.json"})

@@ -59,6 +59,7 @@ from .importer import ImportResult, import_image
 from .oci import Blob, Hashing, Image, open_image
 from .refs import STORE_OWNER
 from .store import Store
+from .tarsafe import HostileTar, TarRefused
 
 log = logging.getLogger("strata.rootfs")
 
@@ -93,6 +94,8 @@ def apply_layers(image: Image, root: Path, *, limits: Limits | None = None, skip
                     for member in tar:
                         _apply(tar, member, root, blob, limits)
                 hashing.drain()  # a digest covers the whole blob, tar padding included
+            except TarRefused as exc:
+                raise InvalidInput(f"{blob.name}: refused: {exc}") from None
             except (tarfile.TarError, EOFError, zstandard.ZstdError) as exc:
                 raise CorruptObject(f"{blob.name}: cannot be unpacked ({exc}); corrupt or truncated") from None
             hashing.check(blob)
@@ -113,7 +116,7 @@ class _TarStream:
         if "zstd" in self.blob.media_type:
             stream = zstandard.ZstdDecompressor().stream_reader(self.hashing, closefd=False)  # type: ignore[arg-type]
             mode = "r|"
-        self.tar = tarfile.open(fileobj=stream, mode=mode)  # type: ignore[call-overload]
+        self.tar = HostileTar.open(fileobj=stream, mode=mode)  # type: ignore[call-overload]
         return self.tar
 
     def __exit__(self, *exc: object) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import ROOT, debian_tar, needs_qemu
 from tests.js_sdk import run_js
+from tests.memory import peak_rss, reset_peak
 from tests.node_server import API_KEY, NodeServer
 
 pytestmark = needs_qemu
@@ -680,17 +681,6 @@ def files_headers(sandbox: dict, kind: str) -> dict[str, str]:
             "Content-Type": kind}
 
 
-def peak_rss_reset(pid: int) -> None:
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) << 10
-    raise AssertionError("no VmHWM")
-
-
 def test_a_form_reaches_the_guest_while_it_is_still_arriving(server: NodeServer, quiet: dict) -> None:
     """A multipart upload goes to the guest a block at a time, never staged
     whole on the node (whose disk a client could otherwise fill with one
@@ -768,7 +758,7 @@ def test_a_gzip_body_is_inflated_a_block_at_a_time(server: NodeServer) -> None:
 def _inflate_rows(server: NodeServer, quiet: dict, body: bytes) -> None:
     assert server.proc is not None
     pid = server.proc.pid
-    peak_rss_reset(pid)
+    reset_peak(pid)
     before = rss(pid)
     headers = {**files_headers(quiet, "application/octet-stream"), "Content-Encoding": "gzip"}
     r = httpx.post(f"{server.url}/files", params={"path": "/root/zeros"}, content=body, headers=headers,

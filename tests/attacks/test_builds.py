@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import hostile_tars
 from tests.attacks.lab import Lab
+from tests.memory import peak_rss, reset_peak
 
 HASH = hashlib.sha256(b"the files alpha's next build copies").hexdigest()
 
@@ -139,6 +141,27 @@ def test_a_hostile_tar_is_not_kept(lab: Lab, content: str) -> None:
     r = httpx.put(link(lab.beta, "hostile", files_hash)["url"], content=body)
     assert r.status_code == 400, r.text
     assert link(lab.beta, "hostile", files_hash)["present"] is False
+
+
+@pytest.mark.parametrize("shape", ["pax-bomb", "longname-bomb", "keyword-scan", "header-chain"])
+def test_a_tar_header_bomb_is_refused_unread(lab: Lab, tmp_path: Path, shape: str) -> None:
+    """attacker: team beta.  target: the node's memory and CPU (api/builds.py
+    check_tar reads every uploaded tar).  attempt: a gzip tar of ~250 KiB
+    whose headers attack the reader (tests/hostile_tars.py): a pax or GNU
+    longname header declaring 256 MiB, pax records whose parse is quadratic,
+    5,000 headers chained before one member.  must: 400 naming the bound,
+    nothing kept, the node's peak memory grows by less than 64 MiB."""
+    request_build(lab.beta, "bomb")
+    body = hostile_tars.write(tmp_path / "bomb.tar.gz", shape).read_bytes()
+    files_hash = hashlib.sha256(body).hexdigest()
+    reset_peak(lab.node.proc.pid)
+    before = peak_rss(lab.node.proc.pid)
+    r = httpx.put(link(lab.beta, "bomb", files_hash)["url"], content=body, timeout=120)
+    grown = peak_rss(lab.node.proc.pid) - before
+    print(f"{shape}: a {len(body):,}-byte upload; the node's peak memory grew by {grown >> 20} MiB")
+    assert r.status_code == 400 and "refused" in r.json()["message"], r.text
+    assert link(lab.beta, "bomb", files_hash)["present"] is False
+    assert grown < 64 << 20, f"the node's peak memory grew by {grown >> 20} MiB"
 
 
 @pytest.mark.parametrize("key", ["strata.build", "strata.pool", "strata.anything"])

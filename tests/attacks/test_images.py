@@ -25,9 +25,11 @@ from layerstore.oci import open_image
 from layerstore.refs import STORE_OWNER
 from layerstore.rootfs import chain_ids, make_ext4
 from layerstore.store import open_store
+from tests import hostile_tars
+from tests.memory import run_measured
 from tests.node_server import ADMIN_KEY, NodeServer
 from tests.oci_images import layer, write_oci
-from tests.test_cli import run
+from tests.test_cli import run, strata_cmd
 
 ALPHA, BETA, BARE = "alpha-images-key-01", "beta-images-key-01", "bare-images-key-01"
 
@@ -184,3 +186,23 @@ def test_an_unmarked_chain_ref_is_never_built_on(target: Target, tmp_path: Path,
         tagged = f"strata-oci:{chain_of(v2)}"
         assert store.resolve(tagged) == store.resolve("public:v2")
         assert store.ref_owner(tagged) == STORE_OWNER
+
+
+@pytest.mark.parametrize("shape", ["pax-bomb", "longname-bomb", "keyword-scan", "global-flood"])
+def test_a_layer_header_bomb_is_refused_unread(target: Target, tmp_path: Path, shape: str) -> None:
+    """attacker: an image's publisher (a registry a build pulls from, an
+    archive the operator imports).  target: the memory of the process that
+    applies layers (layerstore/rootfs.py).  attempt: a gzip layer of a few
+    hundred KiB whose tar headers attack the reader (tests/hostile_tars.py).
+    must: the import fails naming the layer and the bound, no ref is
+    written, and its peak memory passes an ordinary import's by < 64 MiB."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_", "AWS_"))} | target.env
+    ordinary = write_oci(tmp_path / "ordinary", [layer([("file", "etc/hello", b"hello\n")])])
+    code, err, baseline = run_measured([*strata_cmd(), "image", "import", str(ordinary), "bomb-baseline:v1"], env)
+    assert code == 0, err
+    bomb = write_oci(tmp_path / "bomb", [hostile_tars.write(tmp_path / "layer.tar.gz", shape)])
+    code, err, peak = run_measured([*strata_cmd(), "image", "import", str(bomb), "bomb:v1"], env)
+    print(f"{shape}: peak {peak >> 20} MiB, an ordinary import's {baseline >> 20} MiB")
+    assert code != 0 and "refused" in err and "layer" in err, err
+    assert "bomb:v1" not in {row["ref"] for row in strata(target.env, "image", "ls", "--json")}
+    assert peak - baseline < 64 << 20, f"peak {peak >> 20} MiB against an ordinary import's {baseline >> 20} MiB"

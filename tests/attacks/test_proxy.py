@@ -22,6 +22,7 @@ from websockets.sync.client import connect
 from layerstore import nodes
 from layerstore.store import open_store
 from tests.attacks.lab import BAIT, BETA, Lab, raw, status_of
+from tests.memory import peak_rss
 from tests.test_gateway import Gateway
 from vmm import placement
 
@@ -140,12 +141,6 @@ class HostileWebSocket:
         finally:
             self.done.set()
             self.listener.close()
-
-
-def peak_rss(pid: int) -> int:
-    """The process's high-water resident memory, in bytes (VmHWM)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
 
 
 @pytest.mark.parametrize("shape", ["one-frame", "fragments"])
