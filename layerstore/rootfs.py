@@ -132,6 +132,8 @@ def _apply(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path, blob: Blob
     if not name:
         return  # the root itself
     parent_rel, _, base = name.rpartition("/")
+    if base == ".." or (base.startswith(WHITEOUT) and base[len(WHITEOUT):] in ("", ".", "..")):
+        raise CorruptObject(f"{blob.name}: entry {name[:200]!r} names no file of its directory")  # but it, or above
     parent = _resolve(root, parent_rel, blob, create=True)
     if base == OPAQUE:
         for child in list(parent.iterdir()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -206,3 +207,37 @@ def test_a_layer_header_bomb_is_refused_unread(target: Target, tmp_path: Path, s
     assert code != 0 and "refused" in err and "layer" in err, err
     assert "bomb:v1" not in {row["ref"] for row in strata(target.env, "image", "ls", "--json")}
     assert peak - baseline < 64 << 20, f"peak {peak >> 20} MiB against an ordinary import's {baseline >> 20} MiB"
+
+
+@pytest.mark.parametrize("entry", ["..", "etc/../..", ".wh...", ".wh..", ".wh.", "etc/.wh..."])
+def test_a_layer_entry_cannot_reach_above_its_own_directory(tmp_path: Path, entry: str) -> None:
+    """attacker: an image's publisher.  target: the build directory around
+    the staging root (layerstore/rootfs.py applies layers into BUILD/root).
+    attempt: an entry whose last part is `..` (a directory with mode 0777
+    and another owner), or a whiteout of `..`, `.` or nothing.  must: the
+    layer is refused naming the entry; BUILD keeps its mode and its files,
+    the root keeps its files."""
+    from layerstore.errors import CorruptObject
+    from layerstore.rootfs import apply_layers
+
+    if entry.endswith(".."):
+        info = tarfile.TarInfo(entry)
+        info.type, info.mode, info.uid = tarfile.DIRTYPE, 0o777, 4242
+        hostile = ("raw", info, None)
+    else:
+        hostile = ("file", entry, b"")
+    layout = write_oci(tmp_path / "layout", [layer([("dir", "etc"), ("file", "etc/keep", b"keep\n")]),
+                                             layer([hostile])])
+    build = tmp_path / "build"
+    (build / "root").mkdir(parents=True)
+    build.chmod(0o700)
+    (build / "sentinel").write_text("the build's own\n")
+    image = open_image(layout)
+    try:
+        with pytest.raises(CorruptObject, match="names no file of its directory"):
+            apply_layers(image, build / "root")
+    finally:
+        image.source.close()
+    assert (build.stat().st_mode & 0o7777, build.stat().st_uid) == (0o700, os.getuid())
+    assert (build / "sentinel").read_text() == "the build's own\n"
+    assert (build / "root" / "etc" / "keep").read_text() == "keep\n"
