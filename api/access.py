@@ -56,11 +56,13 @@ class Access:
         return Target(sid, agent_of, env=dict(record.env), user=user or record.user, cwd=record.cwd,
                       log=lambda level, message: boxes.log_event(sid, level, message))
 
-    def port_address(self, sid: str, token: str | None, *, access_token: str | None = None) -> str:
+    def port_address(self, sid: str, token: str | None, *, access_token: str | None = None,
+                     runs_code: bool = False) -> str:
         """Where the port proxy (api/ports.py) reaches sandbox `sid`: its
         address on the node. Forbidden without the sandbox's traffic token
         when its ports are not public; Unauthorized when an `access_token`
-        is given (E2B's SDK sends its envd token) and is not the sandbox's."""
+        is given (E2B's SDK sends its envd token) and is not the sandbox's,
+        or is missing for a path that `runs_code`."""
         try:
             record = self._boxes.record(sid)
         except NotFound:
@@ -69,6 +71,9 @@ class Access:
             raise Unauthorized(f"wrong access token for sandbox {sid} (header X-Access-Token)")
         if record.traffic_token and not same_secret(token, record.traffic_token):
             raise Forbidden(f"sandbox {sid}'s ports need its traffic access token (header e2b-traffic-access-token)")
+        if runs_code and not (access_token and record.access_token):
+            raise Unauthorized(f"the code interpreter of sandbox {sid} runs code only with its access token "
+                               "(header X-Access-Token)")
         if record.state == "suspended":
             raise Conflict(f"sandbox {sid} is paused: resume it to reach its ports")
         address = self._boxes.address(record)

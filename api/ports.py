@@ -19,10 +19,15 @@ wrong one is 401 (a missing one is fine: the SDK sends it on some calls
 only, and the port is as public as its Host form), and neither it nor
 `X-API-Key` nor the E2B headers are passed on to the guest.
 
+One path is not public in either form: `/execute` on port 49999, where
+E2B's code interpreter runs the code it is sent (the SDK sends its envd
+token there, and only there). Without the sandbox's `X-Access-Token` it is
+401, and the token is not passed on.
+
 No API key is needed (these are the sandbox's public URLs). Bodies stream
 both ways; hop-by-hop headers are dropped; the Host header is passed on.
 Errors are JSON `{"code", "message"}` like the API's: 400 malformed port
-header, 401 wrong access token, 404 unknown sandbox, 403 missing or wrong
+header, 401 wrong (or, for code, missing) access token, 404 unknown sandbox, 403 missing or wrong
 traffic token, 409 paused or without a network, 502 nothing listening, 504
 no answer in time.
 """
@@ -49,7 +54,9 @@ PORT = re.compile(r"^\d{1,5}$")
 ENVD_PORT = 49983
 TOKEN_HEADER = "e2b-traffic-access-token"
 PORT_HEADER, ID_HEADER, ACCESS_HEADER = b"e2b-sandbox-port", b"e2b-sandbox-id", b"x-access-token"
+CODE_PORT, RUNS_CODE = 49999, "execute"  # E2B's code interpreter: the path that runs what it is sent
 _DROP = (TOKEN_HEADER.encode(),)  # the guest's server never sees the sandbox's token
+_DROP_ACCESS = (*_DROP, ACCESS_HEADER)
 _DROP_SDK = (*_DROP, PORT_HEADER, ID_HEADER, ACCESS_HEADER, b"x-api-key")  # nor, from the SDK, the node's
 
 
@@ -60,8 +67,15 @@ class Target:
     port: int
     sid: str
     traffic_token: str | None
-    access_token: str | None = None  # the header form's X-Access-Token (None: not given, or the Host form)
+    access_token: str | None = None  # X-Access-Token (None: not given, or the Host form off code paths)
     by_header: bool = False
+    runs_code: bool = False  # the code interpreter's /execute: the access token is required
+
+
+def runs_code(port: int, scope: Scope) -> bool:
+    """Whether the request is for the path of `port` that runs code sent to it
+    (matched as the guest's server routes it: slashes around it ignored)."""
+    return port == CODE_PORT and str(scope.get("path", "")).strip("/") == RUNS_CODE
 
 
 class BadTarget(Exception):
@@ -80,7 +94,10 @@ def port_target(scope: Scope) -> Target | None:
     match = PORT_HOST.match(_header(scope, b"host") or "")
     if match is not None:
         port = int(match.group(1))
-        return Target(port, match.group(2), token) if 0 < port <= 65535 and port != ENVD_PORT else None
+        if not 0 < port <= 65535 or port == ENVD_PORT:
+            return None
+        code = runs_code(port, scope)
+        return Target(port, match.group(2), token, _header(scope, ACCESS_HEADER) if code else None, runs_code=code)
     given = _header(scope, PORT_HEADER)
     if given is None:
         return None
@@ -91,7 +108,8 @@ def port_target(scope: Scope) -> Target | None:
         raise BadTarget("E2b-Sandbox-Port needs the sandbox's id in E2b-Sandbox-Id")
     if int(given) == ENVD_PORT:
         return None
-    return Target(int(given), sid, token, _header(scope, ACCESS_HEADER), by_header=True)
+    return Target(int(given), sid, token, _header(scope, ACCESS_HEADER), by_header=True,
+                  runs_code=runs_code(int(given), scope))
 
 
 class PortProxy:
@@ -116,7 +134,7 @@ class PortProxy:
             await refuse(scope, send, errors.status_of(exc), str(exc))
             return
         port, what = target.port, f"port {target.port} of sandbox {target.sid}"
-        drop = _DROP_SDK if target.by_header else _DROP
+        drop = _DROP_SDK if target.by_header else _DROP_ACCESS if target.runs_code else _DROP
         if scope["type"] == "websocket":
             url = upstream(httpx.URL(scheme="ws", host=address, port=port), scope)
             await forward_websocket(scope, receive, send, str(url), drop=drop, what=what)
@@ -132,4 +150,5 @@ def _address(access: Access, target: Target) -> str:
     exist is unknown, as it is in a Host."""
     if not SANDBOX_ID.match(target.sid):
         raise NotFound(f"sandbox {target.sid[:64]!r} not found")
-    return access.port_address(target.sid, target.traffic_token, access_token=target.access_token)
+    return access.port_address(target.sid, target.traffic_token, access_token=target.access_token,
+                               runs_code=target.runs_code)

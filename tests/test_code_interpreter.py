@@ -180,8 +180,16 @@ def test_who_gets_no_access(sdk: type, node: Node) -> None:
             return httpx.post(execute, json=code, timeout=60,
                               headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", **headers})
 
-        assert ask(public.sandbox_id).status_code == 200  # public ports, as E2B's: the id is the capability
+        # running code wants the sandbox's access token (the SDK sends it), by header or by Host
+        r = ask(public.sandbox_id)
+        assert r.status_code == 401 and "runs code only with its access token" in r.json()["message"], r.text
+        by_host = {"Host": f"49999-{public.sandbox_id}.sandboxes.test"}
+        for path in ("/execute", "/execute/", "/execute?context_id=x"):
+            assert httpx.post(f"{server.url}{path}", json=code, timeout=60, headers=by_host).status_code == 401
+        assert httpx.post(f"{server.url}/execute", json=code, timeout=60,
+                          headers={**by_host, "X-Access-Token": public._envd_access_token}).status_code == 200
         assert ask(public.sandbox_id, **{"X-Access-Token": public._envd_access_token}).status_code == 200
+        assert httpx.get(f"{server.url}/contexts", timeout=60, headers=by_host).status_code == 200  # public, as E2B's
         r = ask(public.sandbox_id, **{"X-Access-Token": "wrong"})
         assert r.status_code == 401 and "access token" in r.json()["message"]
         r = ask(public.sandbox_id, **{"X-Access-Token": private._envd_access_token})  # another sandbox's
@@ -190,8 +198,9 @@ def test_who_gets_no_access(sdk: type, node: Node) -> None:
                         {"X-API-Key": API_KEY}, {"X-Access-Token": private._envd_access_token}):
             r = ask(private.sandbox_id, **headers)
             assert r.status_code == 403 and "traffic access token" in r.json()["message"], (headers, r.text)
-        assert ask(private.sandbox_id, **{"E2B-Traffic-Access-Token": private.traffic_access_token}).status_code \
-            == 200
+        both = {"E2B-Traffic-Access-Token": private.traffic_access_token}
+        assert ask(private.sandbox_id, **both).status_code == 401
+        assert ask(private.sandbox_id, **both, **{"X-Access-Token": private._envd_access_token}).status_code == 200
         # another team's key does not even see the sandboxes
         beta = httpx.Client(base_url=server.url, headers={"X-API-Key": BETA_KEY}, timeout=60)
         assert beta.get(f"/sandboxes/{private.sandbox_id}").status_code == 404

@@ -170,3 +170,33 @@ def test_an_oversized_websocket_message_is_refused_unread(tmp_path: Path, shape:
         assert grown < 64 << 20, f"the relay's peak memory grew by {grown >> 20} MiB"
     finally:
         gateway.stop()
+
+
+@pytest.mark.parametrize("form", ["host", "header"])
+def test_the_code_interpreters_execute_wants_the_sandboxs_access_token(lab: Lab, form: str) -> None:
+    """attacker: anyone who knows a sandbox's id (ids are no secret: they are
+    in every port URL).  target: `/execute` on port 49999, where E2B's code
+    interpreter runs the code it is sent (api/ports.py).  attempt: POST code
+    there with no access token, a wrong one, another team's API key, and
+    with the path written `/execute/` or with a query.  must: 401 naming the
+    access token before anything reaches the sandbox; with the sandbox's own
+    token the request passes on (502 here: nothing listens on 49999 of
+    alpha's busybox sandbox)."""
+    sid, token = lab.sandbox["sandboxID"], lab.sandbox["envdAccessToken"]
+    port = int(lab.node.url.rsplit(":", 1)[1])
+
+    def post(path: str, **headers: str) -> bytes:
+        if form == "host":
+            host = f"49999-{sid}.strata.local".encode()
+        else:
+            host, headers = b"node.example", {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49999", **headers}
+        extra = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+        return raw(port, b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host + b"\r\n" + extra
+                   + b"Content-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
+                   + b'{"code":"6*7"} ')
+
+    for path in ("/execute", "/execute/", "/execute?context_id=x"):
+        for headers in ({}, {"X-Access-Token": "wrong"}, {"X-API-Key": BETA}):
+            reply = post(path, **headers)
+            assert status_of(reply) == 401 and b"access token" in reply, (path, headers, reply[:300])
+    assert status_of(post("/execute", **{"X-Access-Token": token})) == 502
