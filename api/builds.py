@@ -62,7 +62,7 @@ from vmm.agent import Agent, Exit, output_events
 from vmm.registry import new_sid
 
 from .sources import Source
-from .teams import Caller, same_secret
+from .teams import Caller, QuotaExceeded, same_secret
 
 if TYPE_CHECKING:
     from layerstore.store import Store
@@ -76,7 +76,10 @@ BUILD = "build"  # the record kind of a build's sandbox (never listed)
 LEGACY_BUILD_KEY = "strata.build"  # how records written before kinds marked one (in their metadata)
 READY_TIMEOUT = 300.0  # seconds the ready command may take to succeed
 STEP_TIMEOUT = 3600.0
-MAX_LOGS = 10_000
+MAX_LOGS = 10_000  # log entries a build keeps
+MAX_LOG_BYTES = 1 << 20  # characters of log a build keeps (then one entry says the rest was dropped)
+BUILD_KEEP = 86400.0  # seconds a finished build's status and logs stay to be read
+MAX_TEAM_BUILDS = 256  # builds a team has on the node at once (waiting, running and kept)
 UPLOAD_TTL = 3600.0  # seconds an upload link stays valid
 UPLOAD_KEEP = 7 * 86400.0  # seconds an uploaded tar no build has used is kept
 PULL_TIMEOUT = 1800.0  # seconds a build's pull from a registry may take
@@ -102,10 +105,31 @@ class Build:
     reason: str = ""
     step: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    ended: float | None = None  # when it became ready or error
+    log_chars: int = 0
 
     def log(self, message: str, level: str = "info") -> None:
-        if len(self.logs) < MAX_LOGS:
-            self.logs.append(LogEntry(time.time(), level, message[:4000]))
+        """Keep a log line, within MAX_LOGS entries and MAX_LOG_BYTES in all:
+        past them one last entry says so and the rest is dropped."""
+        message = message[:4000]
+        if len(self.logs) >= MAX_LOGS or self.log_chars < 0:
+            return
+        if len(self.logs) == MAX_LOGS - 1 or self.log_chars + len(message) > MAX_LOG_BYTES:
+            level, message, self.log_chars = "warn", "the build's log is past its cap: later lines are dropped", -1
+        else:
+            self.log_chars += len(message)
+        self.logs.append(LogEntry(time.time(), level, message))
+
+    def end(self, status: str) -> None:
+        self.status, self.ended = status, time.time()
+
+    def stale(self, now: float) -> bool:
+        """Whether the node may forget it: ended BUILD_KEEP ago, or asked for
+        and never started within an upload link's life."""
+        if self.ended is not None:
+            return now - self.ended > BUILD_KEEP
+        return self.status == "waiting" and now - self.created > UPLOAD_TTL
 
 
 @dataclass(frozen=True)
@@ -144,8 +168,17 @@ class Builds:
         self._catalog.check_template_free(caller, base)
         build = Build(base, secrets.token_hex(8), caller.team)
         with self._lock:
+            self._forget(time.time())
+            held = sum(1 for b in self._builds.values() if b.team == caller.team)
+            if held >= MAX_TEAM_BUILDS:
+                raise QuotaExceeded(f"team {caller.team} has {held} builds on this node, the most it may hold: "
+                                    "start or let them finish first")
             self._builds[(base, build.build_id)] = build
         return build
+
+    def _forget(self, now: float) -> None:
+        for key in [key for key, b in self._builds.items() if b.stale(now)]:
+            del self._builds[key]
 
     def get(self, caller: "Caller", name: str, build_id: str) -> Build:
         with self._lock:
@@ -281,7 +314,7 @@ class Builds:
                 self._boxes.kill(sid)
             except StrataError:
                 pass
-            build.status = status
+            build.end(status)
 
     def _build(self, build: Build, sid: str, base: Source | Pull, steps: list[dict[str, Any]],
                spec: dict[str, Any]) -> None:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from api.builds import UPLOAD_KEEP, UPLOAD_TTL, Builds, check_tar
-from api.teams import Caller
+from api.builds import (BUILD_KEEP, MAX_LOG_BYTES, MAX_LOGS, MAX_TEAM_BUILDS, UPLOAD_KEEP, UPLOAD_TTL, Build, Builds,
+                        check_tar)
+from api.teams import Caller, QuotaExceeded
 from layerstore.errors import InvalidInput, NotFound
 
 HASH = "ab" * 32
@@ -87,3 +88,46 @@ def test_tars_no_build_used_for_a_week_are_reaped(tmp_path: Path) -> None:
     assert b.reap_uploads(now) == 2
     assert fresh.exists() and in_flight.exists() and not stale.exists() and not half_made.exists()
     assert builds(tmp_path / "none").reap_uploads(now) == 0  # no upload space yet
+
+
+class FreeNames:
+    """The one thing a build request asks of the catalog: here every name is free."""
+
+    def check_template_free(self, caller: Caller, name: str) -> None:
+        pass
+
+
+def test_a_teams_builds_are_capped_and_stale_ones_forgotten(tmp_path: Path) -> None:
+    builds = Builds(None, FreeNames(), None, None, tmp_path / "files")  # type: ignore[arg-type]
+    alpha, beta = Caller("alpha"), Caller("beta")
+    held = [builds.request(alpha, "app") for _ in range(MAX_TEAM_BUILDS)]
+    with pytest.raises(QuotaExceeded, match="alpha has 256 builds"):
+        builds.request(alpha, "app")
+    assert builds.request(beta, "app").team == "beta"  # another team's place is its own
+    held[0].created -= UPLOAD_TTL + 1  # asked for and never started: forgotten
+    held[1].end("ready")
+    held[2].end("error")
+    held[2].ended -= BUILD_KEEP + 1  # ended a day ago: forgotten
+    builds.request(alpha, "app")
+    builds.request(alpha, "app")
+    with pytest.raises(QuotaExceeded):
+        builds.request(alpha, "app")
+    for gone in (held[0], held[2]):
+        with pytest.raises(NotFound):
+            builds.get(alpha, "app", gone.build_id)
+    assert builds.get(alpha, "app", held[1].build_id).status == "ready"  # a finished build stays to be read
+
+
+def test_a_builds_log_is_capped_in_lines_and_characters() -> None:
+    build = Build("app", "b1", "alpha")
+    for _ in range(MAX_LOG_BYTES // 4000 + 10):
+        build.log("x" * 5000)
+    assert sum(len(e.message) for e in build.logs) <= MAX_LOG_BYTES + 100
+    assert "past its cap" in build.logs[-1].message and build.logs[-1].level == "warn"
+    build.log("later")
+    assert "past its cap" in build.logs[-1].message
+    many = Build("app", "b2", "alpha")
+    for n in range(MAX_LOGS + 50):
+        many.log(str(n))
+    assert len(many.logs) == MAX_LOGS and "past its cap" in many.logs[-1].message
+    assert many.logs[-2].message == str(MAX_LOGS - 2)

@@ -228,3 +228,17 @@ def test_a_build_fetches_from_no_registry_the_node_was_not_told_of(lab: Lab, ima
                           json={"fromImage": image.format(port=lab.bait.port), "steps": [], **auth})
         assert r.status_code == 400 and "registries" in r.json()["message"], r.text
     assert lab.bait.hits == hits
+
+
+def test_build_requests_cannot_grow_the_nodes_memory_without_end(lab: Lab) -> None:
+    """attacker: team delta.  target: the node's memory (api/builds.py kept
+    every build it was asked for, with up to 40 MB of logs each, for ever).
+    attempt: 300 build requests never started.  must: 429 naming the cap
+    once delta holds MAX_TEAM_BUILDS; another team still gets its build."""
+    from api.builds import MAX_TEAM_BUILDS
+
+    codes = [lab.delta.post("/v3/templates", json={"name": "flood"}).status_code for _ in range(300)]
+    assert codes[:MAX_TEAM_BUILDS] == [202] * MAX_TEAM_BUILDS and set(codes[MAX_TEAM_BUILDS:]) == {429}, codes
+    r = lab.delta.post("/v3/templates", json={"name": "flood"})
+    assert r.status_code == 429 and "builds on this node" in r.json()["message"], r.text
+    assert lab.alpha.post("/v3/templates", json={"name": "alpha-still"}).status_code == 202
