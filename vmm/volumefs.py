@@ -114,7 +114,7 @@ class VolumeFiles:
         self._lock = threading.Lock()
         self._index: tuple[float, Volume] | None = None
         self._staged: dict[int, Staged] = {}
-        self._fh_locks: dict[int, threading.Lock] = {}
+        self._fh_locks: dict[int, tuple[threading.Lock, int]] = {}  # fh -> (its lock, holders and waiters)
         self._released: OrderedDict[int, None] = OrderedDict()  # recent fhs closed: a late repeat of a write is EBADF
         self._chunks: OrderedDict[str, bytes] = OrderedDict()
         self._maps: OrderedDict[str, tuple[int, int, dict[int, str], dict]] = OrderedDict()
@@ -231,6 +231,7 @@ class VolumeFiles:
         entry = Entry(FILE, mode & 0o7777, uid, gid, now, now)
         volume = self._change(lambda v: _put_new(v, path, entry))
         with self._held(fh):
+            self._admit(fh)
             self._file(fh).write_bytes(b"")
             with self._lock:
                 self._staged[fh] = Staged(path, self._file(fh))
@@ -314,6 +315,7 @@ class VolumeFiles:
             raise fail(errno.EISDIR if entry.type == DIRECTORY else errno.EINVAL)
         if trunc:
             with self._held(fh):
+                self._admit(fh)
                 staged = Staged(path, self._file(fh), dirty=True)
                 self._file(fh).write_bytes(b"")
                 with self._lock:
@@ -357,7 +359,6 @@ class VolumeFiles:
                 with self._held(fh):
                     with self._lock:
                         self._staged.pop(fh, None)
-                        self._fh_locks.pop(fh, None)
                     self._file(fh).unlink(missing_ok=True)
             with self._lock:
                 self._released[fh] = None
@@ -391,8 +392,8 @@ class VolumeFiles:
         if size < 0:
             raise fail(errno.EINVAL)
         key = fh if fh is not None else -1 - (hash(path) & 0xFFFFFFFF)  # a private handle for truncate(2)
-        try:
-            with self._held(key):
+        with self._held(key):
+            try:
                 staged = self._stage(key, path)
                 grow = size - staged.file.stat().st_size
                 if grow > 0:
@@ -401,12 +402,11 @@ class VolumeFiles:
                 staged.dirty = True
                 if fh is None:
                     self._publish(staged)
-        finally:
-            if fh is None:  # truncate(2) is done (or failed) here: nothing of it stays staged
-                with self._lock:
-                    self._staged.pop(key, None)
-                    self._fh_locks.pop(key, None)
-                self._file(key).unlink(missing_ok=True)
+            finally:
+                if fh is None:  # truncate(2) is done (or failed) here: nothing of it stays staged
+                    with self._lock:
+                        self._staged.pop(key, None)
+                    self._file(key).unlink(missing_ok=True)
 
     def _stage(self, fh: int, path: str) -> Staged:
         """The staging of `fh`, made from the published file when the node
@@ -429,9 +429,7 @@ class VolumeFiles:
         entry = entry or self._entry(path)
         if entry.type != FILE:
             raise fail(errno.EISDIR if entry.type == DIRECTORY else errno.EINVAL)
-        with self._lock:
-            if fh not in self._staged and len(self._staged) >= MAX_OPEN:
-                raise fail(errno.EMFILE, f"at most {MAX_OPEN} files of a volume are open for writing at once")
+        self._admit(fh)
         self._check_room(entry.size)
         staged = Staged(path, self._file(fh), base=entry.layer)
         self._staging_dir.mkdir(parents=True, exist_ok=True)
@@ -464,6 +462,13 @@ class VolumeFiles:
         self._change(edit)
         staged.dirty, staged.base = False, layer
 
+    def _admit(self, fh: int) -> None:
+        """EMFILE unless `fh` is staged already or there is room for one more
+        (every way a file gets staged: create, open with O_TRUNC, a write)."""
+        with self._lock:
+            if fh not in self._staged and len(self._staged) >= MAX_OPEN:
+                raise fail(errno.EMFILE, f"at most {MAX_OPEN} files of a volume are open for writing at once")
+
     def _check_room(self, more: int) -> None:
         with self._lock:
             files = [s.file for s in self._staged.values()]
@@ -477,11 +482,23 @@ class VolumeFiles:
 
     @contextmanager
     def _held(self, fh: int) -> Iterator[None]:
+        """`fh`'s own lock, made on first use and dropped once no one holds
+        or waits for it and nothing is staged for it: a guest naming handles
+        it never opened leaves no lock behind."""
         with self._lock:
-            lock = self._fh_locks.setdefault(fh, threading.Lock())
-        with lock:
-            self._staging_dir.mkdir(parents=True, exist_ok=True)
-            yield
+            lock, users = self._fh_locks.get(fh, (threading.Lock(), 0))
+            self._fh_locks[fh] = (lock, users + 1)
+        try:
+            with lock:
+                self._staging_dir.mkdir(parents=True, exist_ok=True)
+                yield
+        finally:
+            with self._lock:
+                users = self._fh_locks[fh][1] - 1
+                if users == 0 and fh not in self._staged:
+                    del self._fh_locks[fh]
+                else:
+                    self._fh_locks[fh] = (lock, users)
 
 
 # edits: pure functions of a volume, applied under Volumes.change ------------------------------

@@ -105,3 +105,51 @@ def test_a_guests_rename_cannot_make_the_volume_index_unreadable(served) -> None
     assert guest.ok("rename", vid, path="d", to="z" * 100)  # still within the limit: moved
     assert max(len(p) for p in volumes.get(vid).entries) == len(path) + 99
     gc.plan(store)  # reads every index strictly enough to keep what it names
+
+
+@pytest.mark.parametrize("how", ["create", "open-trunc", "write"])
+def test_a_guest_cannot_stage_more_files_than_the_open_file_cap(served, how: str,  # noqa: F811
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """attacker: root in a guest with a volume mounted.  target: the node's staging space and memory
+    for the volume's open files (vmm/volumefs.py).  attempt: open MAX_OPEN + 50 files for writing
+    without closing any, by create, by open with O_TRUNC, or by writing to handles never opened
+    (MAX_OPEN set to 32 here, for time: each create rewrites the index).  must: EMFILE past
+    MAX_OPEN whichever way, nothing of the refused ones staged; once one is closed, one more
+    opens."""
+    import errno
+
+    from vmm import volumefs
+
+    monkeypatch.setattr(volumefs, "MAX_OPEN", 32)
+    MAX_OPEN = volumefs.MAX_OPEN
+    _, _, vid, _, guest, port = served
+    files = port._volumes[vid]
+    if how != "create":
+        for n in range(MAX_OPEN + 50):
+            guest.ok("create", vid, path=f"f{n}", mode=0o644, fh=100_000 + n)
+            guest.ok("release", vid, fh=100_000 + n, path=f"f{n}")
+    answers = []
+    for n in range(MAX_OPEN + 50):
+        if how == "create":
+            answers.append(guest.call("create", vid, path=f"f{n}", mode=0o644, fh=n)[0]["errno"])
+        elif how == "open-trunc":
+            answers.append(guest.call("open", vid, path=f"f{n}", fh=n, trunc=True)[0]["errno"])
+        else:
+            answers.append(guest.call("write", vid, b"x", fh=n, path=f"f{n}", off=0)[0]["errno"])
+    assert answers[:MAX_OPEN] == [0] * MAX_OPEN and set(answers[MAX_OPEN:]) == {errno.EMFILE}
+    assert len(files._staged) == MAX_OPEN and len(list(files._staging_dir.iterdir())) == MAX_OPEN
+    guest.ok("release", vid, fh=0, path="f0")
+    assert guest.call("open", vid, path="f0", fh=0, trunc=True)[0]["errno"] == 0
+
+
+def test_handles_a_guest_never_opened_leave_nothing_behind(served) -> None:  # noqa: F811
+    """attacker: root in a guest with a volume mounted.  target: the node's memory (a lock was kept
+    for every file handle a request named).  attempt: 6,000 flushes, releases and failing writes on
+    handles never opened.  must: each answered, and the node holds no lock for any of them."""
+    _, _, vid, _, guest, port = served
+    files = port._volumes[vid]
+    for fh in range(6_000):
+        op = ("flush", "release", "write")[fh % 3]
+        guest.call(op, vid, b"x" if op == "write" else b"", fh=10_000 + fh, path="missing", off=0)
+    assert files._fh_locks == {}
+    assert port.alive()
