@@ -19,6 +19,7 @@ entering one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -43,8 +44,17 @@ def build_root(cache: Path, packages: Sequence[str], *, attempts: int = 3, pause
         raise StrataError("mmdebstrap is needed to build a Debian root (apt-get install mmdebstrap)")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(cache.with_name(f".{cache.name}.lock"), "a")  # noqa: SIM115 (held by the with below)
     except OSError as exc:
         raise StrataError(f"cannot keep the Debian root at {cache}: {exc.strerror or exc}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build of a cache at a time; the others wait, then take it
+        return cache if cache.is_file() else _build(cache, packages, attempts=attempts, pause=pause,
+                                                    timeout=timeout, status=status)
+
+
+def _build(cache: Path, packages: Sequence[str], *, attempts: int, pause: float, timeout: float,
+           status: Callable[[str], ContextManager] | None) -> Path:
     failure = ""
     for attempt in range(1, attempts + 1):
         label = f"building a Debian 12 root with {', '.join(packages)} (mmdebstrap, attempt {attempt} of " \

@@ -235,20 +235,46 @@ def rng(request: pytest.FixtureRequest) -> random.Random:
 
 
 # the fault matrix's figures (tests/test_faults.py), printed at the end of a run
-FAULT_FIGURES = pytest.StashKey[dict[str, int]]()
+FIGURES_PROPERTY = "fault figures"
 
 
 @pytest.fixture
-def fault_ledger(request: pytest.FixtureRequest) -> dict[str, int]:
+def fault_ledger(request: pytest.FixtureRequest) -> Iterator[dict[str, int]]:
     """Counters a fault test adds to: faults it injected, bytes it verified
     end to end afterwards, 5xx answers it saw. tests/README.md's fault matrix
-    quotes the totals this prints."""
-    return request.config.stash.setdefault(FAULT_FIGURES, {"faults injected": 0, "bytes verified": 0,
-                                                           "5xx responses": 0})
+    quotes the totals printed at the end. They travel in the test's report,
+    so a run over several workers (pytest-xdist) adds them up where it reports."""
+    figures = {"faults injected": 0, "bytes verified": 0, "5xx responses": 0}
+    yield figures
+    request.node.user_properties.append((FIGURES_PROPERTY, figures))
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
-                            config: pytest.Config) -> None:
-    figures = config.stash.get(FAULT_FIGURES, None)
-    if figures:
-        terminalreporter.write_line("fault matrix: " + ", ".join(f"{k} {v:,}" for k, v in figures.items()))
+class FaultFigures:
+    """Adds up the figures of the tests' reports and prints them last."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for name, value in report.user_properties if report.when == "teardown" else ():
+            if name == FIGURES_PROPERTY:
+                for key, n in value.items():
+                    self.totals[key] = self.totals.get(key, 0) + n
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.totals:
+            terminalreporter.write_line("fault matrix: " + ", ".join(f"{k} {v:,}" for k, v in self.totals.items()))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.has_plugin("fault-figures"):
+        config.pluginmanager.register(FaultFigures(), "fault-figures")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's `--dist loadgroup` (deploy/setup.sh test): a file's tests stay on one
+    worker (its module fixtures are made once), and so do the attack matrix's, which share one
+    lab whose node uses the host's own network namespace."""
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(ROOT).as_posix()
+        item.add_marker(pytest.mark.xdist_group("attacks" if path.startswith("tests/attacks/") else path))

@@ -4,6 +4,7 @@ line of what it saw."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -25,10 +26,16 @@ def install_sdk() -> None:
     `deploy/setup.sh latest` (STRATA_JS_SDK_UNPINNED) the newest release is there already."""
     if os.environ.get("STRATA_JS_SDK_UNPINNED"):
         return
+    JS_SDK.mkdir(parents=True, exist_ok=True)
+    with open(JS_SDK.with_name(f".{JS_SDK.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one install at a time (pytest-xdist's workers share JS_SDK)
+        _install()
+
+
+def _install() -> None:
     stamp = JS_SDK / ".strata-lock"  # written once npm ci succeeded
     if stamp.is_file() and stamp.read_bytes() == LOCK.read_bytes():
         return
-    JS_SDK.mkdir(parents=True, exist_ok=True)
     for name in ("package.json", "package-lock.json"):
         shutil.copy(SCRIPTS / name, JS_SDK / name)
     r = subprocess.run(["npm", "ci", "--prefix", str(JS_SDK), "--no-audit", "--no-fund"],
