@@ -102,8 +102,8 @@ case "$MODE" in
         log "running the test suite"
         set +e
         # two workers (pytest-xdist; STRATA_TEST_WORKERS=0 for one process): a file's tests stay on one,
-        # the attack matrix's too (tests/conftest.py); the slowest tests are listed: the suite has a time budget
-        .venv/bin/python -m pytest -q -n "${STRATA_TEST_WORKERS:-2}" --dist loadgroup --durations=15 "${@:2}"
+        # the attack matrix's together (tests/conftest.py); the slowest tests are listed: the suite has a time budget
+        .venv/bin/python -m pytest -q -n "${STRATA_TEST_WORKERS:-2}" --dist loadfile --durations=15 "${@:2}"
         rc=$?
         set -e
         # pytest exits 5 when no test ran: that is a failure here, never a pass.

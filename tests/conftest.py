@@ -271,10 +271,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(FaultFigures(), "fault-figures")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's `--dist loadgroup` (deploy/setup.sh test): a file's tests stay on one
-    worker (its module fixtures are made once), and so do the attack matrix's, which share one
-    lab whose node uses the host's own network namespace."""
-    for item in items:
-        path = Path(str(item.fspath)).relative_to(ROOT).as_posix()
-        item.add_marker(pytest.mark.xdist_group("attacks" if path.startswith("tests/attacks/") else path))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (deploy/setup.sh test runs two workers): a file's tests stay on one worker,
+    as with `--dist loadfile` (its module fixtures are made once), and so do all of the attack
+    matrix's, which share one lab whose node uses the host's own network namespace."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/attacks/" if path.startswith("tests/attacks/") else path
+
+    return ByFile(config, log)
