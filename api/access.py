@@ -56,6 +56,17 @@ class Access:
         return Target(sid, agent_of, env=dict(record.env), user=user or record.user, cwd=record.cwd,
                       log=lambda level, message: boxes.log_event(sid, level, message))
 
+    def is_secret(self, sid: str, value: str) -> bool:
+        """Whether `value` is a key of this node or sandbox `sid`'s access or traffic token."""
+        if caller_of(value, self._config) is not None:
+            return True
+        try:
+            record = self._boxes.record(sid)
+        except NotFound:
+            return False
+        return same_secret(value, record.access_token) or bool(record.traffic_token
+                                                               and same_secret(value, record.traffic_token))
+
     def port_address(self, sid: str, token: str | None, *, access_token: str | None = None,
                      runs_code: bool = False) -> str:
         """Where the port proxy (api/ports.py) reaches sandbox `sid`: its

@@ -22,7 +22,9 @@ it placed itself, so a burst of creates spreads.
 
 The gateway checks no keys: the nodes do (they share STRATA_API_KEYS), and
 every header is passed on, Host included (upload links a node makes then
-point back at the gateway).
+point back at the gateway). But for its own `/health`: anyone is told the
+status and how many nodes there are; only an admin key (STRATA_ADMIN_KEYS,
+as the nodes') is shown the nodes and their URLs.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from . import listing
 from .ports import PORT_HOST
 from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body,
                     send_request, target_error, upstream)
+from .teams import same_secret
 
 log = logging.getLogger("strata.gateway")
 
@@ -242,8 +245,9 @@ def _counts(value: object) -> dict[str, int]:
 class Gateway:
     """The ASGI app of `strata gateway`."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, *, admin_keys: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
+        self._admin_keys = admin_keys
         self._client: httpx.AsyncClient | None = None
         self._turn = itertools.count()
 
@@ -511,9 +515,12 @@ class Gateway:
         return answers
 
     async def _health(self, scope: Scope, send: Any) -> None:
+        """The status and the node count; the nodes themselves for an admin key only."""
         members = await self._members()
-        body = {"status": "ok" if members else "no nodes",
-                "nodes": [{"node": m.node, "url": m.url, "held": m.held, "max": m.max} for m in members]}
+        body: dict[str, Any] = {"status": "ok" if members else "no nodes", "count": len(members)}
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None)
+        if any(same_secret(given, key) for key in self._admin_keys):
+            body["nodes"] = [{"node": m.node, "url": m.url, "held": m.held, "max": m.max} for m in members]
         await _send_json(send, 200 if members else 503, json.dumps(body).encode(), {})
 
 

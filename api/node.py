@@ -173,6 +173,7 @@ class Node:
             self._gate.stop()
         for thread in self._threads:
             thread.join(timeout=30)
+        self.lifetimes.close()
 
     def _reaper(self) -> None:
         moved_check = time.monotonic() + 30

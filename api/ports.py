@@ -26,6 +26,10 @@ token there, and only there). Without the sandbox's `X-Access-Token` it is
 
 No API key is needed (these are the sandbox's public URLs). Bodies stream
 both ways; hop-by-hop headers are dropped; the Host header is passed on.
+The Host form passes the client's other headers on as they are, but for
+the node's own secrets: an `X-API-Key` holding a key of this node, or an
+`X-Access-Token` holding the sandbox's token, never reaches the guest (the
+guest's code may be anyone's; its app's own headers of those names pass).
 Errors are JSON `{"code", "message"}` like the API's: 400 malformed port
 header, 401 wrong (or, for code, missing) access token, 404 unknown sandbox, 403 missing or wrong
 traffic token, 409 paused or without a network, 502 nothing listening, 504
@@ -135,6 +139,8 @@ class PortProxy:
             return
         port, what = target.port, f"port {target.port} of sandbox {target.sid}"
         drop = _DROP_SDK if target.by_header else _DROP_ACCESS if target.runs_code else _DROP
+        if not target.by_header:
+            drop = (*drop, *_secrets(scope, scope["app"].state.node.access, target.sid))
         if scope["type"] == "websocket":
             url = upstream(httpx.URL(scheme="ws", host=address, port=port), scope)
             await forward_websocket(scope, receive, send, str(url), drop=drop, what=what)
@@ -143,6 +149,12 @@ class PortProxy:
             self._client = new_client(keepalive=False)  # addresses pass from sandbox to sandbox
         url = upstream(httpx.URL(scheme="http", host=address, port=port), scope)
         await forward_http(self._client, scope, receive, send, str(url), drop=drop, what=what)
+
+
+def _secrets(scope: Scope, access: Access, sid: str) -> tuple[bytes, ...]:
+    """The credential headers of the request that hold the node's secrets (kept from the guest)."""
+    return tuple(name for name in (b"x-api-key", ACCESS_HEADER)
+                 if (value := _header(scope, name)) is not None and access.is_secret(sid, value))
 
 
 def _address(access: Access, target: Target) -> str:

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from layerstore.errors import InvalidInput
+from layerstore.logs import configure as configure_logging
 
 if TYPE_CHECKING:
     from layerstore.config import NodeConfig
@@ -63,7 +64,7 @@ def cmd_serve(args: argparse.Namespace, ctx: NodeContext) -> int:
         raise InvalidInput("no store given: pass --store PATH|s3://BUCKET/PREFIX or set STRATA_STORE")
     if not config.api_keys:
         raise InvalidInput("no API keys: set STRATA_API_KEYS (comma-separated, 8+ characters each)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     node = ctx.node()
     node.start()
     try:
@@ -84,11 +85,11 @@ def cmd_gateway(args: argparse.Namespace, ctx: NodeContext) -> int:
     if not config.store:
         raise InvalidInput("no store given: the gateway reads the cluster's shared store (--store s3://BUCKET/PREFIX "
                            "or STRATA_STORE)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     backend = open_node_backend(config, config.store)
     cluster = Cluster(backend, refresh=args.refresh)
     log.info("gateway for the nodes of %s on http://%s:%d", backend.describe(), config.host, config.port)
-    run_uvicorn(Gateway(cluster), config)
+    run_uvicorn(Gateway(cluster, admin_keys=tuple(key for _team, key in config.admin_keys)), config)
     return 0
 
 

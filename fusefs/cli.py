@@ -41,11 +41,11 @@ def cmd_mount(args: argparse.Namespace, ctx: MountContext) -> int:
     if args.mount is None:  # the node's own mount point is made on first use; a named one must exist
         make_mountpoint(settings.mountpoint)
     if args.foreground:
-        import logging
+        from layerstore.logs import configure
 
         from .daemon import serve
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure()
         serve(settings, lambda: print(f"serving {settings.mountpoint}; Ctrl-C or `strata umount` to stop", flush=True))
         return 0
     from .client import mount

@@ -30,6 +30,7 @@ import pyfuse3
 import trio
 
 from layerstore.errors import InvalidInput, StrataError
+from layerstore.logs import configure as configure_logging
 from layerstore.malloc import keep_freed_memory, warm_heap
 from layerstore.refs import parse_ref
 from layerstore.store import open_store
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-fd", type=int)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     ready_file = os.fdopen(args.ready_fd, "w") if args.ready_fd is not None else None
     if keep_freed_memory():  # chunk-sized buffers come and go on the event loop: no page faults for each
         warm_heap(RECENT)  # and the first cold restore's chunks land in pages already mapped

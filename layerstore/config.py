@@ -261,7 +261,7 @@ class NodeConfig:
                                       "(after a lazy pull); the default of push and pull")
     peers: tuple[str, ...] = _setting("", _list, "other nodes (http://HOST:PORT,...) asked for a chunk before "
                                                  "the remote store")
-    peer_key: str = _setting("", _text, "the API key this node presents to its peers; environment only", secret=True)
+    peer_key: str = _setting("", _text, "the admin key this node presents to its peers (one of their admin keys); environment only", secret=True)
     state_dir: Path = _setting(DEFAULT_STATE_DIR, _path, "per-node state: catalogs, cache, upper layers, sandboxes")
     mount: Path = _setting("", _text, "the node's FUSE mount point (default STATE_DIR/mnt)")
     cache_dir: Path = _setting("", _text, "chunk cache directory (default STATE_DIR/cache)")

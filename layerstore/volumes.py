@@ -48,11 +48,13 @@ from .store import Store
 VOLUME_PREFIX = "volumes/"
 SNAPSHOT_PREFIX = "volume-snapshots/"
 MAX_ENTRIES = 100_000  # files and directories in one volume (its index is read and written whole)
+MAX_INDEX_BYTES = 32 << 20  # one volume's index, encoded: every listing, quota check and GC reads it
 MAX_PATH, MAX_PART = 4096, 255
 CAS_TRIES = 16
 _NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  # E2B's pattern, with a length cap
 _ID_RE = re.compile(r"vol[0-9a-f]{16}")
 _SNAPSHOT_RE = re.compile(r"vs[0-9a-f]{16}")
+_TOKEN_TAIL = re.compile(rb'"token":"([0-9a-f]{64})","v":1}\Z')  # how encode() ends an index (sorted keys)
 FILE, DIRECTORY, SYMLINK = "file", "directory", "symlink"
 
 
@@ -153,7 +155,7 @@ def salvage(key: str, blob: bytes, reason: str) -> Salvaged:
 
 
 class VolumeFull(InvalidInput):
-    """A change would take a volume past MAX_ENTRIES."""
+    """A change would take a volume past MAX_ENTRIES or MAX_INDEX_BYTES."""
 
 
 def new_volume_id() -> str:
@@ -240,12 +242,24 @@ class Volumes:
         if any(v.name == name and v.owner == owner for v in self.list()):
             raise Conflict(f"volume {name} already exists")
         volume = Volume(new_volume_id(), name, owner, time.time(), secrets.token_hex(32), dict(entries or {}))
-        if self._backend.put_new(VOLUME_PREFIX + volume.id, volume.encode()) is None:
+        if self._backend.put_new(VOLUME_PREFIX + volume.id, _encoded(volume)) is None:
             raise Conflict(f"volume id {volume.id} is taken: try again")
         return volume
 
     def get(self, volume_id: str) -> Volume:
         return self._read(check_volume_id(volume_id))[0]
+
+    def get_by_token(self, volume_id: str, token: str) -> Volume | None:
+        """The volume if `token` is its token, else None, compared before the
+        index is parsed (the content API asks this of every request, its
+        caller not yet known to be anyone): encode() ends every index with
+        its token."""
+        blob = self._blob(check_volume_id(volume_id))[0]
+        tail = _TOKEN_TAIL.search(blob, max(len(blob) - 100, 0))
+        if tail is not None and not secrets.compare_digest(tail.group(1), token.encode("utf-8", "replace")):
+            return None
+        volume = parse_volume(volume_id, blob)
+        return volume if secrets.compare_digest(volume.token.encode(), token.encode("utf-8", "replace")) else None
 
     def list(self) -> list[Volume]:
         """Every volume, by name; a malformed one is left out (GC salvages it: gc_roots)."""
@@ -267,7 +281,7 @@ class Volumes:
             check_entries(volume.entries)
         except InvalidInput as exc:
             raise InvalidInput(f"volume {volume.id} not published: {exc}") from None
-        self._backend.put(VOLUME_PREFIX + check_volume_id(volume.id), volume.encode())
+        self._backend.put(VOLUME_PREFIX + check_volume_id(volume.id), _encoded(volume))
 
     def delete(self, volume_id: str) -> Volume:
         volume = self.get(volume_id)
@@ -340,21 +354,36 @@ class Volumes:
                 if len(changed.entries) > MAX_ENTRIES:
                     raise VolumeFull(f"volume {volume.name} would hold more than {MAX_ENTRIES} entries")
                 check_entries(changed.entries, volume.entries)
-                if self._backend.put_if(VOLUME_PREFIX + volume.id, changed.encode(), version) is not None:
+                if self._backend.put_if(VOLUME_PREFIX + volume.id, _encoded(changed), version) is not None:
                     return changed
                 time.sleep(random.uniform(0, min(1.0, 0.01 * 2 ** attempt)))
         raise Conflict(f"volume {volume_id} is changing too fast: try again")
 
     def _read(self, volume_id: str) -> tuple[Volume, str]:
+        blob, version = self._blob(volume_id)
+        return parse_volume(volume_id, blob), version
+
+    def _blob(self, volume_id: str) -> tuple[bytes, str]:
         key = VOLUME_PREFIX + volume_id
         head = self._backend.head(key)
         if head is None:
             raise NotFound(f"volume {volume_id} not found")
+        if head.size > MAX_INDEX_BYTES:
+            raise CorruptObject(f"volume {volume_id} is malformed: its index of {head.size} bytes passes "
+                                f"{MAX_INDEX_BYTES}")
         try:
             blob = self._backend.get(key)
         except NotFound:
             raise NotFound(f"volume {volume_id} not found") from None
-        return parse_volume(volume_id, blob), head.version
+        return blob, head.version
+
+
+def _encoded(volume: Volume) -> bytes:
+    """The index to write; VolumeFull past MAX_INDEX_BYTES (long paths fill it before MAX_ENTRIES)."""
+    blob = volume.encode()
+    if len(blob) > MAX_INDEX_BYTES:
+        raise VolumeFull(f"volume {volume.name}'s index would pass {MAX_INDEX_BYTES >> 20} MiB ({len(blob)} bytes)")
+    return blob
 
 
 # edits: pure functions of a volume, applied under `Volumes.change` -------------------------------

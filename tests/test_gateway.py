@@ -143,7 +143,7 @@ class Gateway:
             assert self.proc.poll() is None, self.log.read_text()
             try:
                 health = self.client.get("/health").json()
-                if len(health.get("nodes", [])) == count:
+                if health.get("count") == count:
                     return health
             except httpx.HTTPError:
                 pass

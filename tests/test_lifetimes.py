@@ -81,7 +81,9 @@ def test_each_sandbox_gets_what_its_lifetime_says(tmp_path: Path) -> None:
         record("sbrecent", state="suspended", suspended_at=NOW - 3599),   # within it: kept
     ])
     cluster, failures = Cluster(), []
-    done = reaper(tmp_path, boxes, cluster, failures).reap(NOW)
+    lifetimes = reaper(tmp_path, boxes, cluster, failures)
+    done = lifetimes.reap(NOW)
+    assert lifetimes.wait(30)
     assert sorted(done) == [("sbdue", "killed"), ("sbnap", "paused"), ("sbold", "reclaimed")]
     assert sorted(boxes.done) == [("kill", "sbdue"), ("kill", "sbold"), ("suspend", "sbnap")]
     # a paused sandbox stays placed on this node (it wakes here); the removed ones are unplaced
@@ -92,7 +94,9 @@ def test_each_sandbox_gets_what_its_lifetime_says(tmp_path: Path) -> None:
 def test_one_failure_does_not_stop_the_others(tmp_path: Path) -> None:
     boxes = Boxes([record("sbwedged", end_at=NOW - 1), record("sbfine", end_at=NOW - 1)], failing={"sbwedged"})
     failures: list[str] = []
-    reaper(tmp_path, boxes, Cluster(), failures).reap(NOW)
+    lifetimes = reaper(tmp_path, boxes, Cluster(), failures)
+    lifetimes.reap(NOW)
+    assert lifetimes.wait(30)
     assert boxes.done == [("kill", "sbfine")] and failures == ["kill sbwedged: the VM is wedged"]
 
 
@@ -100,5 +104,33 @@ def test_one_failure_does_not_stop_the_others(tmp_path: Path) -> None:
 def test_retention_is_the_configured_one(tmp_path: Path, retention: str) -> None:
     config = node_config(tmp_path, STRATA_STORE=str(tmp_path / "store"), STRATA_PAUSED_RETENTION=retention)
     boxes = Boxes([record("sbjust", state="suspended", suspended_at=NOW - 0.5)])
-    Lifetimes(config, boxes, Cluster(), quietly=lambda action, *args: action(*args)).reap(NOW)
+    lifetimes = Lifetimes(config, boxes, Cluster(), quietly=lambda action, *args: action(*args))
+    lifetimes.reap(NOW)
+    assert lifetimes.wait(30)
     assert boxes.done == ([("kill", "sbjust")] if retention == "0s" else [])
+
+
+def test_a_slow_pause_holds_back_no_other_sandbox_and_runs_once(tmp_path: Path) -> None:
+    """A pause is a snapshot to the store: while one takes its time, another sandbox's timeout
+    is still applied, and the next reaps do not start the same pause again."""
+    import threading
+
+    release = threading.Event()
+
+    class SlowBoxes(Boxes):
+        def suspend(self, sid: str) -> None:
+            release.wait(30)
+            super().suspend(sid)
+
+    boxes = SlowBoxes([record("sbslow", end_at=NOW - 1, auto_pause=True), record("sbdue", end_at=NOW - 1)])
+    lifetimes = reaper(tmp_path, boxes, Cluster(), [])
+    try:
+        assert sorted(lifetimes.reap(NOW)) == [("sbdue", "killed"), ("sbslow", "paused")]
+        assert not lifetimes.wait(1)  # the pause is still running...
+        assert boxes.done == [("kill", "sbdue")]  # ...and the kill did not wait for it
+        assert ("sbslow", "paused") not in lifetimes.reap(NOW + 1)  # still running: not started again
+    finally:
+        release.set()
+        assert lifetimes.wait(30)
+        lifetimes.close()
+    assert boxes.done.count(("suspend", "sbslow")) == 1

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import IN_CI, ROOT, needs_qemu
 from tests.netns import Lab
-from tests.node_server import API_KEY, NodeServer
+from tests.node_server import ADMIN_KEY, NodeServer
 from tests.seaweedfs_server import SeaweedFS
 
 pytestmark = [needs_qemu, pytest.mark.skipif(
@@ -46,7 +46,7 @@ def test_push_pull_and_peer_fetch_across_namespaces(tmp_path: Path, guest: Path)
                   "STRATA_REMOTE": "s3://shared/cluster"}
             a = NodeServer(tmp_path / "a", guest, host=lab.addrs["a"], prefix=lab.prefix("a"), **s3)
             b = NodeServer(tmp_path / "b", guest, host=lab.addrs["b"], prefix=lab.prefix("b"), **s3,
-                           STRATA_PEERS=a.url, STRATA_PEER_KEY=API_KEY)
+                           STRATA_PEERS=a.url, STRATA_PEER_KEY=ADMIN_KEY)
             nodes += [a, b]
             a.strata("image", "import", str(guest / "rootfs.ext4"), "guest:v1")
             a.start()

@@ -16,7 +16,7 @@ import pytest
 
 from layerstore import gc
 from layerstore.errors import Conflict, CorruptObject, InvalidInput, NotFound
-from layerstore.store import Store
+from layerstore.store import Store, open_store
 from layerstore.volumes import (DIRECTORY, FILE, VOLUME_PREFIX, Entry, Volumes, check_path, check_volume_id,
                                 make_dir, put_entry, read_bytes, remove, set_metadata, store_bytes)
 
@@ -195,3 +195,48 @@ def test_a_snapshot_keeps_the_volume_as_it_was_and_gc_keeps_its_files(store: Sto
     vols.delete_snapshot(snap.id)
     with pytest.raises(NotFound):
         vols.get_snapshot(snap.id)
+
+
+def test_an_index_past_its_byte_cap_is_refused_and_one_in_the_store_is_not_parsed(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch
+                                                                                    ) -> None:
+    """Long paths fill an index long before MAX_ENTRIES: a change that would pass MAX_INDEX_BYTES
+    is VolumeFull and writes nothing; an index that big in the store (an older writer) is refused
+    unparsed by readers (listings, the content API), while GC still reads what it names."""
+    from layerstore import volumes as module
+    from layerstore.volumes import VolumeFull
+
+    store = open_store(str(tmp_path / "store"))
+    volumes = Volumes(store.backend)
+    vol = volumes.create("deep", "alpha")
+    monkeypatch.setattr(module, "MAX_INDEX_BYTES", 64 << 10)
+    with pytest.raises(VolumeFull, match="index would pass"):
+        for n in range(1000):
+            path = f"{n:04d}{'d' * 250}"
+            volumes.change(vol.id, lambda v, p=path: make_dir(v, p, Entry(DIRECTORY, 0o755), parents=True))
+    written = store.backend.get(f"volumes/{vol.id}")
+    assert len(written) <= 64 << 10 and volumes.get(vol.id).entries  # the last good index stays
+    monkeypatch.setattr(module, "MAX_INDEX_BYTES", 1 << 10)
+    with pytest.raises(CorruptObject, match="passes 1024"):
+        volumes.get(vol.id)
+    assert vol.id not in {v.id for v in volumes.list()}
+    _roots, salvaged = volumes.gc_roots()
+    assert salvaged == []
+
+
+def test_a_token_is_checked_before_the_index_is_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The content API asks get_by_token of every request before it knows the caller: a wrong
+    token costs one read of the index, never a parse of it."""
+    from layerstore import volumes as module
+
+    store = open_store(str(tmp_path / "store"))
+    volumes = Volumes(store.backend)
+    vol = volumes.create("data", "alpha")
+    assert volumes.get_by_token(vol.id, vol.token) == vol
+    parsed = []
+    real = module.parse_volume
+    monkeypatch.setattr(module, "parse_volume", lambda *a: parsed.append(a[0]) or real(*a))
+    for wrong in ("0" * 64, vol.token[:-1] + "x", "", "é" * 64):
+        assert volumes.get_by_token(vol.id, wrong) is None
+    assert parsed == []
+    assert volumes.get_by_token(vol.id, vol.token) == vol and parsed == [vol.id]

@@ -13,8 +13,10 @@ import re
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
@@ -200,3 +202,50 @@ def test_the_code_interpreters_execute_wants_the_sandboxs_access_token(lab: Lab,
             reply = post(path, **headers)
             assert status_of(reply) == 401 and b"access token" in reply, (path, headers, reply[:300])
     assert status_of(post("/execute", **{"X-Access-Token": token})) == 502
+
+
+def test_the_gateways_health_names_no_node_but_to_an_admin(lab: Lab) -> None:
+    """attacker: anyone, no key or a team's key.  target: the nodes' own URLs (the gateway's
+    `/health` listed them, and a node's URL skips the gateway).  attempt: GET /health.
+    must: the status and the node count, no URL; an admin key is shown the nodes."""
+    from tests.node_server import ADMIN_KEY
+
+    node_url = lab.node.url.encode()
+    for headers in ({}, {"X-API-Key": BETA}, {"X-API-Key": "not-a-key"}):
+        r = httpx.get(f"{lab.gateway.url}/health", headers=headers, timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok", "count": 1}, r.text
+        assert node_url not in r.content
+    shown = httpx.get(f"{lab.gateway.url}/health", headers={"X-API-Key": ADMIN_KEY}, timeout=30).json()
+    assert [n["url"] for n in shown["nodes"]] == [lab.node.url]
+
+
+def test_the_nodes_secrets_never_reach_a_guests_port(lab: Lab) -> None:
+    """attacker: root in a guest (or whoever wrote the code its port serves).  target: the
+    credentials of the clients that call the port by Host (`{port}-{id}.{domain}`).  attempt:
+    read the request's headers in the guest when the client sends a team's API key in
+    X-API-Key and the sandbox's token in X-Access-Token.  must: neither reaches the guest;
+    headers of the same names that hold no secret of the node (the app's own) pass."""
+    sid = lab.sandbox["sandboxID"]
+    port = int(lab.node.url.rsplit(":", 1)[1])
+
+    def seen_by_guest(headers: dict[str, str]) -> str:
+        listen = ("rm -f /tmp/req.txt; setsid sh -c \"printf 'HTTP/1.0 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok' "
+                  "| nc -l -p 7100 > /tmp/req.txt\" > /dev/null 2>&1 &")
+        r = lab.alpha.post(f"/sandboxes/{sid}/exec", json={"command": listen, "timeout": 30})
+        assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+        extra = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+        for _ in range(50):  # the listener is up within a few tries
+            reply = raw(port, b"GET /x HTTP/1.1\r\nHost: 7100-" + sid.encode() + b".strata.local\r\n" + extra
+                        + b"Connection: close\r\n\r\n")
+            if status_of(reply) == 200:
+                break
+            time.sleep(0.2)
+        assert status_of(reply) == 200, reply[:300]
+        r = lab.alpha.post(f"/sandboxes/{sid}/exec", json={"command": "cat /tmp/req.txt", "timeout": 30})
+        return r.json()["output"].lower()
+
+    secrets = seen_by_guest({"X-API-Key": lab.alpha.headers["X-API-Key"],
+                             "X-Access-Token": lab.sandbox["envdAccessToken"]})
+    assert "get /x" in secrets and "x-api-key" not in secrets and "x-access-token" not in secrets, secrets
+    own = seen_by_guest({"X-API-Key": "the-apps-own-key", "X-Access-Token": "the-apps-own-token"})
+    assert "x-api-key: the-apps-own-key" in own and "x-access-token: the-apps-own-token" in own, own

@@ -115,3 +115,18 @@ def test_a_sandbox_of_a_shared_template_cannot_predict_anothers_randomness(lab: 
     finally:
         for sid, client in zip(made, (lab.alpha, lab.alpha, lab.beta)):
             client.delete(f"/sandboxes/{sid}")
+
+
+def test_a_teams_key_reads_no_chunk_by_its_digest(lab: Lab) -> None:
+    """attacker: team beta, knowing (or guessing) the digest of a chunk of alpha's data.
+    target: the peer endpoint `GET /chunks/{digest}` (api/routes/peers.py), which serves any
+    chunk the node's store holds.  attempt: fetch a chunk of alpha's image with beta's key.
+    must: 403 naming the admin key, no byte of it; the admin key a peer presents gets it."""
+    from tests.node_server import ADMIN_KEY
+
+    chunk = next((lab.node.tmp / "store").rglob("chunks/*/*"))
+    digest = chunk.name
+    r = lab.beta.get(f"/chunks/{digest}")
+    assert r.status_code == 403 and "admin key" in r.text and chunk.read_bytes()[:64] not in r.content, r.text
+    peer = httpx.get(f"{lab.node.url}/chunks/{digest}", headers={"X-API-Key": ADMIN_KEY}, timeout=30)
+    assert peer.status_code == 200 and peer.content == chunk.read_bytes()
