@@ -46,6 +46,7 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import tarfile
 import threading
 import time
@@ -55,14 +56,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from layerstore.errors import Conflict, InvalidInput, NotFound, StrataError
 from layerstore.refs import parse_ref
+from layerstore.rootfs import DEFAULT_MAX_BYTES
 from layerstore.registry import Credentials, Reference, is_registry_ref, parse_reference, pull_image
 from layerstore.tarsafe import HostileTar, TarRefused
 from layerstore.templates import check_template_name, new_template
 from vmm.agent import Agent, Exit, output_events
 from vmm.registry import new_sid
 
+from .exceptions import Capacity
 from .sources import Source
 from .teams import Caller, QuotaExceeded, same_secret
+from .uploads import RESERVE
 
 if TYPE_CHECKING:
     from layerstore.store import Store
@@ -84,6 +88,7 @@ UPLOAD_TTL = 3600.0  # seconds an upload link stays valid
 UPLOAD_KEEP = 7 * 86400.0  # seconds an uploaded tar no build has used is kept
 PULL_TIMEOUT = 1800.0  # seconds a build's pull from a registry may take
 MAX_TAR_MEMBERS = 100_000
+MAX_TEAM_FILES = 32 << 30  # bytes of uploaded tars a team keeps on a node
 MAX_TAR_BYTES = 16 << 30  # bytes the files of one uploaded tar unpack to (a gzip bomb reads no further)
 FILES_HASH = re.compile(r"^[0-9a-f]{64}$")
 
@@ -207,6 +212,16 @@ class Builds:
             raise NotFound("no such upload (or its link expired: ask for a new one)")
         return self.upload_path(team, files_hash)
 
+    def files_room(self, team: str) -> int:
+        """Bytes team `team` may still upload (its tars on this node stay under MAX_TEAM_FILES
+        until unused ones expire); QuotaExceeded at none."""
+        held = self.upload_path(team, "0" * 64).parent
+        used = sum(p.stat().st_size for p in held.glob("*.tar")) if held.is_dir() else 0
+        if used >= MAX_TEAM_FILES:
+            raise QuotaExceeded(f"team {team} keeps {used} bytes of uploaded files on this node, the most it may: "
+                                "tars no build uses go after a week")
+        return MAX_TEAM_FILES - used
+
     def upload_path(self, team: str, files_hash: str) -> Path:
         """The team's tar of `files_hash` (which need not exist)."""
         _check_hash(files_hash)
@@ -287,11 +302,17 @@ class Builds:
         return Pull(ref, name, credentials)
 
     def _pull(self, build: Build, pull: Pull) -> Source:
-        """Pull the base into the store as the team's image, within PULL_TIMEOUT."""
+        """Pull the base into the store as the team's image, within PULL_TIMEOUT and the node's disk:
+        its layers, their unpacked tree and the disk made of it sit there at once (a third each)."""
         build.log(f"pulling {pull.ref} as {pull.name}")
-        _, result = pull_image(self._store, pull.ref, None, build_root=self._catalog.config.state_dir / "build",
+        build_root = self._catalog.config.state_dir / "build"
+        build_root.mkdir(parents=True, exist_ok=True)
+        room = (shutil.disk_usage(build_root).free - RESERVE) // 3
+        if room <= 0:
+            raise Capacity(f"no room on this node's disk to pull {pull.ref}")
+        _, result = pull_image(self._store, pull.ref, None, build_root=build_root,
                                credentials=pull.credentials, deadline=time.monotonic() + PULL_TIMEOUT,
-                               note=build.log)
+                               max_bytes=min(DEFAULT_MAX_BYTES, room), note=build.log)
         caller = Caller(build.team)
         self._catalog.check_import(caller, pull.name, str(result.size))  # again: taken since? within quota?
         self._store.set_ref(pull.name, result.manifest_id, owner=build.team)

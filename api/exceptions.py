@@ -11,7 +11,8 @@ from layerstore.errors import InvalidInput, StrataError
 
 
 class Capacity(StrataError):
-    """The node holds as many sandboxes as it is configured to."""
+    """The node is full: it holds as many sandboxes as it is configured to, or its disk has no room
+    for an upload."""
 
 
 class Unauthorized(StrataError):

@@ -131,3 +131,18 @@ def test_a_builds_log_is_capped_in_lines_and_characters() -> None:
         many.log(str(n))
     assert len(many.logs) == MAX_LOGS and "past its cap" in many.logs[-1].message
     assert many.logs[-2].message == str(MAX_LOGS - 2)
+
+
+def test_a_teams_uploaded_files_are_capped_on_the_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from api import builds as module
+
+    b = builds(tmp_path)
+    monkeypatch.setattr(module, "MAX_TEAM_FILES", 3000)
+    assert b.files_room("alpha") == 3000
+    tar = b.upload_path("alpha", HASH)
+    tar.parent.mkdir(parents=True)
+    tar.write_bytes(b"t" * 2000)
+    assert b.files_room("alpha") == 1000 and b.files_room("beta") == 3000  # another team's room is its own
+    b.upload_path("alpha", "cd" * 32).write_bytes(b"t" * 1000)
+    with pytest.raises(QuotaExceeded, match="alpha keeps 3000 bytes"):
+        b.files_room("alpha")

@@ -44,6 +44,7 @@ log = logging.getLogger("strata.vmm.volumes")
 MAX_READ = 1 << 20  # bytes one read may ask for
 MAX_LISTED = 20_000  # entries one directory listing answers (the guest takes a reply of at most 4 MiB)
 MAX_OPEN = 1024  # files one sandbox has open for writing in one volume
+DISK_RESERVE = 2 << 30  # bytes of the node's disk staged writes leave free (for its sandboxes and records)
 CACHED_CHUNKS = 16  # decoded chunks kept (1 MiB each by default)
 CACHED_MAPS = 32  # layers whose chunk maps are kept
 
@@ -476,6 +477,9 @@ class VolumeFiles:
         if used + more > self._max_staged:
             raise fail(errno.ENOSPC, f"files open for writing in this volume may hold {self._max_staged} "
                                      "bytes on the node until closed")
+        self._staging_dir.mkdir(parents=True, exist_ok=True)
+        if more > shutil.disk_usage(self._staging_dir).free - DISK_RESERVE:
+            raise fail(errno.ENOSPC, "the node's disk has no room for more staged writes")
 
     def _file(self, fh: int) -> Path:
         return self._staging_dir / f"{fh & 0xFFFFFFFFFFFFFFFF:x}"

@@ -51,7 +51,8 @@ def upload_link(templateID: str, hash: str, request: Request, node: NodeDep,
 async def upload_files(templateID: str, hash: str, request: Request, node: NodeDep, team: str = Query(""),
                        expires: str = Query(""), token: str = Query("")) -> Response:
     dest = node.builds.check_grant(templateID, hash, team=team, expires=expires, token=token)  # before any byte
-    async with staged(request.stream(), directory=node.builds.files, limit=MAX_FILES_UPLOAD,
+    limit = min(MAX_FILES_UPLOAD, node.builds.files_room(team))
+    async with staged(request.stream(), directory=node.builds.files, limit=limit,
                       declared=request.headers.get("content-length")) as tar:
         await anyio.to_thread.run_sync(node.builds.keep_upload, tar, dest)
     return Response(status_code=200)
