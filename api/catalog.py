@@ -89,15 +89,22 @@ class Catalog:
 
     def check_template_free(self, caller: Caller, name: str) -> str:
         """The name's canonical spelling (layerstore/templates.py), if it is
-        valid and not another team's template (409)."""
+        valid and free for the caller (409 otherwise): a template's NAME is
+        its team's with every tag of it (another team holds no NAME:TAG of
+        it), and no template takes the exact name of another team's image
+        (it would stand before that image for its own team)."""
         name = check_template_name(name)
         if snapshot_id_of(name) is not None:
             raise InvalidInput(f"template name {name!r} is spelled like a snapshot id, which names that snapshot")
-        try:
-            owner = self.store.get_template(name).owner
-        except NotFound:
-            return name
-        caller.check_may_replace(owner, f"template {name}")
+        base = name.partition(":")[0]
+        for template in self.store.list_templates():
+            if template.name.partition(":")[0] == base:
+                caller.check_may_replace(template.owner, f"template {base}, with its tags,")
+        if ":" in name:
+            try:
+                caller.check_may_replace(self.store.ref_owner(name), f"image {name}")
+            except (NotFound, InvalidInput):
+                pass
         return name
 
     def _stored_bytes(self, team: str) -> int:
@@ -303,7 +310,13 @@ class Catalog:
         self.store.set_ref(ref, manifest_id, owner=caller.team)
 
     def _check_ref_free(self, caller: Caller, ref: str) -> None:
-        """Conflict if `ref` is another team's image (a new name is free)."""
+        """Conflict if `ref` is another team's image, or under the NAME of
+        another team's template (a template stands before an image of its
+        name, and its tags are its team's: check_template_free)."""
+        base = ref.partition(":")[0]
+        for template in self.store.list_templates():
+            if template.name.partition(":")[0] == base:
+                caller.check_may_replace(template.owner, f"template {base}, with its tags,")
         try:
             owner = self.store.ref_owner(ref)
         except NotFound:

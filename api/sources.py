@@ -27,7 +27,8 @@ class Source:
 def resolve(store: Store, template_id: str, caller: Caller) -> Source:
     """What `template_id` names, tried in E2B's order: a snapshot id (E2B's
     snapshots are templates: `ID` or `ID:default`), a template (`NAME` or
-    `NAME:TAG`), then an image `NAME:TAG`."""
+    `NAME:TAG`) the caller may start, then an image `NAME:TAG`. Another
+    team's private template of the name is passed over, never in the way."""
     snapshot_id = snapshot_id_of(template_id)
     if snapshot_id is not None:
         team = store.get_snapshot(snapshot_id).annotations.get("team", "")
@@ -36,12 +37,11 @@ def resolve(store: Store, template_id: str, caller: Caller) -> Source:
     try:
         template = store.get_template(check_template_name(template_id))
     except (InvalidInput, NotFound):
-        if ":" not in template_id:
-            raise NotFound(f"template {template_id!r} not found in {store.describe()}") from None
-    else:
-        if not template.public:  # a public template is every team's to start
-            caller.check_sees(template.owner, f"template {template_id} not found in {store.describe()}")
+        template = None
+    if template is not None and (template.public or caller.sees(template.owner)):  # a public one is every team's
         return Source(template_id, template.kind, template.target, template.process)
+    if ":" not in template_id:
+        raise NotFound(f"template {template_id!r} not found in {store.describe()}")
     ref = str(parse_ref(template_id))
     caller.check_sees(store.ref_owner(ref), f"image {ref} not found in {store.describe()}")
     store.resolve(ref)

@@ -267,8 +267,11 @@ class FaultFigures:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not config.pluginmanager.has_plugin("fault-figures"):
-        config.pluginmanager.register(FaultFigures(), "fault-figures")
+    from tests.attacks.matrix import AttackMatrix
+
+    for name, plugin in (("fault-figures", FaultFigures), ("attack-matrix", AttackMatrix)):
+        if not config.pluginmanager.has_plugin(name):
+            config.pluginmanager.register(plugin(), name)
 
 
 @pytest.hookimpl(optionalhook=True)

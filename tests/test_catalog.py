@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from api.catalog import Catalog, writable_ref
+from api.sources import resolve
 from api.teams import Caller
 from layerstore.chunk import chunk_key
 from layerstore.config import NodeConfig
@@ -20,6 +21,7 @@ from layerstore.errors import Conflict, InvalidInput, NotFound
 from layerstore.importer import import_image
 from layerstore.snapshot import Snapshot
 from layerstore.store import Store
+from layerstore.templates import new_template
 from tests.images import write_image
 
 ALPHA, BETA, ADMIN = Caller("alpha"), Caller("beta"), Caller("ops", admin=True)
@@ -212,8 +214,6 @@ def test_a_public_template_is_every_teams_to_start_and_its_owners_to_change(worl
     removes it."""
     from dataclasses import replace
 
-    from api.sources import resolve
-
     world.cat.create_template(ALPHA, "shared", image=None, snapshot=world.snap)
     with pytest.raises(NotFound):
         resolve(world.store, "shared", BETA)  # not public yet: another team's
@@ -263,3 +263,23 @@ def test_template_tags_name_one_template_and_stay_their_teams(world: World) -> N
     with pytest.raises(NotFound):
         cat.remove_tags(ALPHA, "base", ["prod"])  # gone
     assert world.store.resolve("base:v1") == world.manifest  # the image is untouched
+
+
+def test_another_teams_private_template_never_stands_before_your_image(world: World) -> None:
+    """A template of beta's named like alpha's image (written before names were owned, or by an
+    admin) is passed over when alpha starts that name: alpha gets its own image, beta its template."""
+    world.store.put_template(new_template("base:v1", "snapshot", world.snap, owner="beta"))
+    assert resolve(world.store, "base:v1", ALPHA).kind == "image"
+    assert resolve(world.store, "base:v1", BETA).kind == "snapshot"
+
+
+def test_a_template_name_holds_its_tags_against_images_and_templates(world: World) -> None:
+    """alpha's template `base` holds every `base:TAG`: beta makes no template and no image under it."""
+    with pytest.raises(Conflict, match="template base, with its tags"):
+        world.cat.create_template(BETA, "base:prod", image=None, snapshot=world.snap)
+    with pytest.raises(Conflict, match="template base, with its tags"):
+        world.cat.check_import(BETA, "base:v9", None)
+    world.cat.check_import(ALPHA, "base:v9", None)  # its own team's name
+    world.store.set_ref("other:v1", world.manifest, owner="beta")
+    with pytest.raises(Conflict, match="image other:v1"):  # no template over another team's image
+        world.cat.create_template(ALPHA, "other:v1", image="base:v1", snapshot=None)

@@ -130,3 +130,31 @@ def test_a_teams_key_reads_no_chunk_by_its_digest(lab: Lab) -> None:
     assert r.status_code == 403 and "admin key" in r.text and chunk.read_bytes()[:64] not in r.content, r.text
     peer = httpx.get(f"{lab.node.url}/chunks/{digest}", headers={"X-API-Key": ADMIN_KEY}, timeout=30)
     assert peer.status_code == 200 and peer.content == chunk.read_bytes()
+
+
+def test_a_teams_names_are_its_own_with_every_tag(lab: Lab) -> None:
+    """attacker: team beta.  target: names team alpha holds: its template `app` and the tags
+    alpha will give it, and its image `shadow:v1`.  attempt: make template `app:prod` (as a
+    new template, and by tagging one of beta's own as it), make template `shadow:v1`, and upload
+    an image under the name of a template of alpha's.  must: 409 naming the name each time,
+    nothing written; alpha then tags `app:prod` itself and its `shadow:v1` still boots its own
+    image."""
+    alpha_image = lab.own_image(lab.alpha, "guest:alpha")
+    beta_image = lab.own_image(lab.beta, "guest:beta")
+    assert lab.alpha.post("/templates", json={"name": "app", "image": alpha_image}).status_code == 201
+    assert lab.alpha.put("/images/shadow:v1", content=(lab.guest / "rootfs.ext4").read_bytes()).status_code == 201
+    assert lab.beta.post("/templates", json={"name": "beta-own", "image": beta_image}).status_code == 201
+    attempts = [lab.beta.post("/templates", json={"name": "app:prod", "image": beta_image}),
+                lab.beta.post("/templates/tags", json={"target": "beta-own", "tags": ["x"]}),  # control: its own
+                lab.beta.post("/templates", json={"name": "shadow:v1", "image": beta_image}),
+                lab.beta.put("/images/app:v9", content=b"\0" * 4096)]
+    codes = [r.status_code for r in attempts]
+    assert codes == [409, 201, 409, 409], [r.text for r in attempts]
+    assert all("another team" in r.json()["message"] for r in attempts if r.status_code == 409)
+    beta_names = {t["templateID"] for t in lab.beta.get("/templates").json()}
+    assert "app:prod" not in beta_names and "shadow:v1" not in beta_names
+    r = lab.alpha.post("/templates/tags", json={"target": "app", "tags": ["prod"]})
+    assert r.status_code == 201, r.text
+    r = lab.alpha.post("/sandboxes", json={"templateID": "shadow:v1", "timeout": 60})
+    assert r.status_code == 201 and r.json()["templateID"] == "shadow:v1", r.text
+    assert lab.alpha.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
