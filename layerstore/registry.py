@@ -37,13 +37,14 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import httpx
 
@@ -69,6 +70,8 @@ _COMPONENT_RE = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _PARAM_RE = re.compile(r'([A-Za-z][A-Za-z0-9_-]*)=(?:"([^"]*)"|([^,\s]*))')
 DOCKER_HUB = ("docker.io", "index.docker.io")  # names of Docker Hub, whose API is at registry-1.docker.io
+
+IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 
 
 class RegistryError(StrataError):
@@ -167,16 +170,48 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def is_internal(host: str) -> bool:
+def resolve_host(name: str) -> list[str]:
+    """The addresses a host name has (getaddrinfo); none when it has none."""
+    try:
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)})
+    except (OSError, UnicodeError):
+        return []
+
+
+def host_addresses(host: str, resolve: Callable[[str], list[str]] = resolve_host) -> list[IPAddress]:
+    """The addresses `host` stands for: a literal, an IPv4 shorthand the C library
+    also takes (`127.1`, `0x7f.1`, `2130706433`), else every address its name has."""
+    text = host.strip("[]")
+    try:
+        return [ipaddress.ip_address(text)]
+    except ValueError:
+        pass
+    try:
+        return [ipaddress.IPv4Address(socket.inet_aton(text))]
+    except (OSError, UnicodeError):
+        pass
+    found: list[IPAddress] = []
+    for address in resolve(text):
+        try:
+            found.append(ipaddress.ip_address(address.split("%", 1)[0]))
+        except ValueError:
+            continue
+    return found
+
+
+def is_internal(host: str, *, resolve: Callable[[str], list[str]] = resolve_host) -> bool:
     """An address no public registry sends a client to: loopback, private,
-    link-local (cloud metadata at 169.254.169.254), unspecified, multicast."""
+    link-local (cloud metadata at 169.254.169.254), unspecified, multicast,
+    whether written as an address, a shorthand or a name that has one."""
     if is_loopback(host):
         return True
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast or ip.is_reserved
+    for ip in host_addresses(host, resolve):
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast \
+                or ip.is_reserved:
+            return True
+    return False
 
 
 # the wire ---------------------------------------------------------------------------------
@@ -184,8 +219,10 @@ class Session:
     """Requests to one registry: auth, redirects, timeouts, the deadline."""
 
     def __init__(self, ref: Reference, *, credentials: Credentials | None = None, insecure: bool = False,
-                 timeout: float = REQUEST_TIMEOUT, deadline: float | None = None) -> None:
+                 timeout: float = REQUEST_TIMEOUT, deadline: float | None = None,
+                 resolve: Callable[[str], list[str]] = resolve_host) -> None:
         self.ref = ref
+        self.resolve = resolve  # host names to addresses, for the redirect check
         self.credentials = credentials
         self.plain_http = insecure or is_loopback(ref.host)  # http:// allowed (and used)
         self.timeout = timeout
@@ -255,7 +292,7 @@ class Session:
         if url.scheme not in ("https", "http") or (url.scheme == "http" and not self.plain_http):
             raise RegistryError(f"registry {self.ref.registry}: refused to follow it to {url.scheme}:// "
                                 f"({str(url)[:200]}): https only")
-        if is_internal(url.host) and not is_internal(self.ref.host):
+        if is_internal(url.host, resolve=self.resolve) and not is_internal(self.ref.host, resolve=self.resolve):
             raise RegistryError(f"registry {self.ref.registry}: refused to follow it to an internal address "
                                 f"({url.host})")
         return url

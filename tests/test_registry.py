@@ -113,17 +113,22 @@ def test_references_are_parsed_into_parts_and_anything_odd_is_refused() -> None:
 
 def test_a_public_registry_cannot_send_the_client_inside() -> None:
     """A redirect or token realm from a registry at a public address may go
-    to another public host (a CDN), never to an internal one; no request is
-    made to find out."""
+    to another public host (a CDN), never to an internal one, however it is
+    written: an address, an IPv4 shorthand, an IPv4-mapped IPv6 address, or
+    a name whose addresses include an internal one. No request is made to
+    find out (names resolve through the stand-in resolver here)."""
     from layerstore.registry import RegistryError, Session
 
-    session = Session(parse_reference("registry.example/team/app:1"))
+    names = {"registry.example": ["93.184.215.14"], "cdn.example": ["93.184.215.15", "2606:2800:21f::1"],
+             "rebind.example": ["93.184.215.16", "127.0.0.1"], "meta.example": ["169.254.169.254"]}
+    session = Session(parse_reference("registry.example/team/app:1"), resolve=lambda name: names.get(name, []))
     base = session.url("blobs", "sha256:" + "ab" * 32)
     try:
         assert session._target(base, "https://cdn.example/blob?sig=1").host == "cdn.example"
         for inside in ("https://169.254.169.254/latest/meta-data", "https://10.0.0.5/x", "https://127.0.0.1:8080/",
                        "https://[::1]/x", "https://localhost/x", "https://0.0.0.0/x", "http://cdn.example/x",
-                       "file:///etc/passwd"):
+                       "file:///etc/passwd", "https://127.1/x", "https://0x7f.1/x", "https://2130706433/x",
+                       "https://[::ffff:127.0.0.1]/x", "https://rebind.example/x", "https://meta.example/x"):
             with pytest.raises(RegistryError):
                 session._target(base, inside)
     finally:
