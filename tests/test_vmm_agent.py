@@ -430,3 +430,44 @@ def test_signalling_a_process_that_just_died_is_not_found_never_an_internal_erro
         guest_agent.signal(pid, 9)
     assert err.value.code == "not_found"
     stream.cancel()
+
+
+def test_generated_replies_are_an_exit_or_an_agent_error_never_a_crash(tmp_path: Path) -> None:
+    """A hostile guest's agent (hypothesis writes its replies to one command): lines of every
+    JSON shape, with the request's id or another, data that is or is not base64, offsets out of
+    order, exits of the wrong types, garbage. The node's side answers with the exit, or an
+    AgentError naming what was wrong, within the command's timeout; nothing else escapes."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    values = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 65), max_value=1 << 65),
+                       st.floats(allow_nan=False), st.text(max_size=12),
+                       st.sampled_from([base64.b64encode(b"out\n").decode(), "!!", ""]))
+    reply = st.one_of(
+        st.fixed_dictionaries({"id": st.sampled_from(["ID", "other", 7, None])},
+                              optional={"pid": values, "fd": st.one_of(st.sampled_from([1, 2, 3, -1]), values),
+                                        "off": values, "data": values, "end": values, "error": values,
+                                        "exit": st.one_of(values, st.fixed_dictionaries(
+                                            {"code": values, "status": values}))}),
+        st.binary(max_size=40).filter(lambda b: b"\n" not in b))
+    counter = iter(range(1 << 30))
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(reply, max_size=8), st.sampled_from([True, True, True, False]))  # most end: time is short
+    def run(replies: list, finish: bool) -> None:
+        def answer(r: dict[str, Any]) -> list[bytes]:
+            lines = [json.dumps({**x, "id": r["id"] if x["id"] == "ID" else x["id"]}).encode() + b"\n"
+                     if isinstance(x, dict) else x + b"\n" for x in replies]
+            return lines + ([line(id=r["id"], end=True, exit={"code": 0, "status": ""})] if finish else [])
+
+        sock = tmp_path / f"g{next(counter)}.sock"
+        scripted_guest(sock, answer)
+        agent = Agent(sock)
+        try:
+            assert isinstance(agent.run("x", timeout=0.5).exit_code, int)
+        except AgentError:
+            pass
+        finally:
+            agent.close()
+
+    run()
