@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import vmm
+from layerstore.refs import STORE_OWNER
 
 from .compose import NodeContext
 from .debian import build_root
@@ -66,7 +67,8 @@ def cmd_code_interpreter(args: argparse.Namespace, ctx: NodeContext) -> int:
     build = run_build(ctx, ctx.node().builds, args.name,
                       {"fromImage": IMAGE, "steps": [], "startCmd": START, "readyCmd": READY})
     store = ctx.sandboxes().store
-    store.put_template(replace(store.get_template(build.name), public=True))  # every team's default template
+    # every team's to start, no team's to change: the store's own (a bare key is team default, not the node)
+    store.put_template(replace(store.get_template(build.name), public=True, owner=STORE_OWNER))
     ctx.out.result({"template": build.name, "build": build.build_id, "image": IMAGE, "timings": build.timings},
                    f"template {build.name} built from {IMAGE}: Sandbox.create() of e2b_code_interpreter starts "
                    f"it serving on port 49999 ({', '.join(f'{k} {v:.1f} s' for k, v in build.timings.items())})")

@@ -93,7 +93,10 @@ def test_the_template_is_built(node: Node, sdk: type, monkeypatch: pytest.Monkey
     finally:
         sbx.kill()
     beta = httpx.Client(base_url=node.server.url, headers={"X-API-Key": BETA_KEY}, timeout=60)
-    assert beta.delete("/templates/code-interpreter-v1").status_code == 404  # but only its owner's to remove
+    assert beta.delete("/templates/code-interpreter-v1").status_code == 404  # but no team's to remove,
+    assert node.server.client.delete("/templates/code-interpreter-v1").status_code == 404  # the builder's included
+    r = node.server.client.post("/templates", json={"name": "code-interpreter-v1", "image": "guest:v1"})
+    assert r.status_code in (404, 409), r.text  # nor to point elsewhere: it is the store's, not team default's
 
 
 def test_run_code_keeps_state_streams_output_and_reports_errors(sdk: type) -> None:
