@@ -5,8 +5,9 @@ are deleted explicitly: `DELETE /snapshots/{id}`, or a paused sandbox's
 retention running out); their closures (layerstore/reach.py) are marked.
 An unmarked object is deleted only when all of these hold:
 
-    - it is older than the grace period (by the store's clock, never a node's), so an
-      import or push that just wrote it is safe;
+    - it is older than the grace period (by the store's clock, never a node's), and so is
+      every layer manifest that reaches it, so an import or push that just wrote it, or
+      reused it in a manifest a ref will name a moment later, is safe;
     - an earlier GC run recorded it as a candidate at least `grace` ago and
       it is still unmarked now (two phases: `gc/candidates`);
     - no live lease exists (a push in flight) when deletion starts, and this
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 from .backend import Backend, DryRunBackend
 from .chunk import CHUNK_PREFIX, chunk_key
-from .errors import NotFound, StrataError
+from .errors import CorruptObject, NotFound, StrataError
 from .lease import GcLock, expired_leases, live_leases, store_now
 from .nodes import cluster_roots, read_holds
 from .manifest import MANIFEST_PREFIX, manifest_key
@@ -65,7 +66,7 @@ class Plan:
     scanned: int = 0
     marked: int = 0
     sizes: dict[str, int] = field(default_factory=dict)  # every swept object's size
-    young: list[str] = field(default_factory=list)  # unmarked, but within the grace period
+    young: list[str] = field(default_factory=list)  # unmarked, but within the grace period or reached from it
     candidates: dict[str, float] = field(default_factory=dict)  # unmarked and old: key -> first seen
     deletable: list[str] = field(default_factory=list)  # candidates of an earlier run, past the margin
     missing: list[str] = field(default_factory=list)  # objects a root names that are gone (verify reports them)
@@ -126,10 +127,26 @@ def mark(store: Store, extra: Iterable[Name] = ()) -> tuple[set[str], list[str],
             closure.add(store, name, strict=False)
         except NotFound:
             pass
+    return _keys(closure), damage, salvaged
+
+
+def _keys(closure: Closure) -> set[str]:
     keys = {manifest_key(m) for m in closure.layers}
     keys |= {chunk_key(d) for d in closure.chunks}
-    keys |= {pack_key(p) for p in closure.packs}
-    return keys, damage, salvaged
+    return keys | {pack_key(p) for p in closure.packs}
+
+
+def _young_reach(store: Store, young_manifests: Iterable[str]) -> set[str]:
+    """What layer manifests within the grace period reach: a manifest just imported is named by
+    a ref only a moment later (an upload publishes its ref after the import's lease), and the
+    old chunks it reuses must outlive that moment as the manifest does."""
+    closure = Closure()
+    for key in young_manifests:
+        try:
+            closure.add(store, Name("layer", key.removeprefix(MANIFEST_PREFIX)), strict=False)
+        except (NotFound, CorruptObject):
+            continue  # gone since the listing, or unreadable: it keeps nothing
+    return _keys(closure)
 
 
 def _read_candidates(store: Store) -> dict[str, float]:
@@ -152,11 +169,13 @@ def plan(store: Store, *, grace: float = DEFAULT_GRACE, now: float | None = None
     result.quarantined = [f"{bad.key}: {bad.reason}" for bad in salvaged]
     previous = _read_candidates(store)
     result.scanned = len(listed)
+    kept_young = _young_reach(store, [info.key for info in listed if info.key.startswith(MANIFEST_PREFIX)
+                                      and info.key not in marked and info.modified > now - grace])
     for info in listed:
         result.sizes[info.key] = info.size
         if info.key in marked:
             result.marked += 1
-        elif info.modified > now - grace:
+        elif info.modified > now - grace or info.key in kept_young:
             result.young.append(info.key)
         else:
             first_seen = previous.get(info.key, now)

@@ -537,3 +537,23 @@ def test_a_malformed_volume_index_is_quarantined_its_layers_kept_and_gc_goes_on(
     assert named <= remaining, "what the malformed index names is kept"
     assert not (doomed - named) & remaining, "the rest of the store is still collected"
     assert any(line.startswith(bad_key) for line in verify_store(store).bad_manifests)
+
+
+def test_old_chunks_a_young_manifest_reuses_outlive_it_until_its_ref_is_written(store: Store,
+                                                                               tmp_path: Path) -> None:
+    """An upload imports without a ref (its lease ends), then publishes the ref: a GC between the
+    two must not delete the old, long-unreferenced chunks the new manifest reuses, or the ref
+    would name a manifest whose chunks are gone."""
+    grace = 1.0
+    garbage(store, tmp_path, seed=5)  # chunks nothing names
+    time.sleep(grace + 0.2)
+    gc.collect(store, grace=grace)  # they are candidates now
+    time.sleep(grace + 0.2)
+    with open(tmp_path / "g5.img", "r+b") as f:  # the same image with its first block changed
+        f.write(b"\xff" * 4096)
+    young = import_image(store, tmp_path / "g5.img", None).manifest_id  # no ref yet: a moment passes
+    report = gc.collect(store, grace=grace)
+    store.set_ref("uploaded:v1", young)
+    out = tmp_path / "back.img"
+    export_image(store, "uploaded:v1", out)
+    assert out.read_bytes() == (tmp_path / "g5.img").read_bytes(), report
