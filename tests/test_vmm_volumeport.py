@@ -16,6 +16,7 @@ import pytest
 
 from layerstore.errors import StrataError
 from layerstore.store import open_store
+from layerstore.unixsock import bind_unix
 from layerstore.volumes import Volumes, read_bytes
 from vmm.volumefs import VolumeFiles
 from vmm.volumeport import MAX_LINE, Replies, VolumePort
@@ -26,7 +27,7 @@ class Guest:
 
     def __init__(self, path: Path) -> None:
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.server.bind(str(path))
+        bind_unix(self.server, path)  # as QEMU binds it: relative to the VM's directory, whatever its length
         self.server.listen(1)
         self.conn: socket.socket | None = None
         self.stream = None
@@ -258,3 +259,24 @@ def test_an_mtime_set_after_the_last_write_survives_the_close(served):
     guest.ok("setattr", vid, path="copied", fh=1, mtime=1_000_000_000.5)  # cp -p: futimens before close
     guest.ok("release", vid, fh=1, path="copied")
     assert volumes.get(vid).entry("copied").mtime == 1_000_000_000.5
+
+
+def test_the_port_is_reached_however_long_its_sockets_path(tmp_path: Path) -> None:
+    """A VM's sockets sit under its state directory, whose path may pass sun_path's 108 bytes."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    store = open_store(str(tmp_path / "store"))
+    vol = Volumes(store.backend).create("data", "alpha")
+    files = VolumeFiles(store, vol.id, tmp_path / "staging", max_staged=1 << 20, index_ttl=0.0)
+    guest = Guest(deep / "volumes.sock")
+    acceptor = threading.Thread(target=guest.accept)
+    acceptor.start()
+    port = VolumePort(deep / "volumes.sock", {vol.id: files}, Replies(), name="sblong").start()
+    acceptor.join()
+    try:
+        assert len(str(deep / "volumes.sock")) > 108
+        assert guest.ok("stat", vol.id, path="")["attr"]["type"] == "directory"
+    finally:
+        port.close()
+        guest.close()
+        store.close()

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from layerstore.unixsock import connect_unix
+
 from .volumefs import MAX_READ, VolumeFiles, errno_of, fail, guest_path
 
 log = logging.getLogger("strata.vmm.volumes")
@@ -140,7 +142,7 @@ class VolumePort:
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(str(self._path))
+                connect_unix(sock, self._path)  # a state directory's path may pass sun_path's 108 bytes
                 return sock
             except OSError:
                 sock.close()
