@@ -45,10 +45,12 @@ def states_query(raw: str | None) -> frozenset[str]:
     return states
 
 
-def select(records: Iterable[SandboxRecord], *, metadata: dict[str, str],
-           states: frozenset[str]) -> list[SandboxRecord]:
-    """The records in one of `states` whose metadata includes `metadata`, in the order given."""
-    return [r for r in records if e2b_state(r) in states and metadata.items() <= r.metadata.items()]
+def select(records: Iterable[SandboxRecord], *, metadata: dict[str, str], states: frozenset[str],
+           started_after: float | None = None, template: str | None = None) -> list[SandboxRecord]:
+    """The records in one of `states` whose metadata includes `metadata`, started at or after
+    `started_after` (unix seconds) and of `template` when given, in the order given."""
+    return [r for r in records if e2b_state(r) in states and metadata.items() <= r.metadata.items()
+            and (started_after is None or r.created >= started_after) and (template is None or r.template == template)]
 
 
 def _cursor(record: SandboxRecord) -> str:

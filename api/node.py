@@ -233,10 +233,12 @@ class Node:
         return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r), volume_names=names) for r in rows]
 
     def list_sandboxes_page(self, caller: Caller, *, metadata: dict[str, str], states: frozenset[str], order: str,
-                            limit: int, token: str | None) -> tuple[list[m.ListedSandbox], str | None]:
+                            limit: int, token: str | None, started_after: float | None = None,
+                            template: str | None = None) -> tuple[list[m.ListedSandbox], str | None]:
         """E2B's GET /v2/sandboxes: one page by start time, and the next page's token."""
-        rows, next_token = listing.page(listing.select(self.lifecycle.records(caller), metadata=metadata, states=states),
-                                        order=order, limit=limit, token=token)
+        chosen = listing.select(self.lifecycle.records(caller), metadata=metadata, states=states,
+                                started_after=started_after, template=template)
+        rows, next_token = listing.page(chosen, order=order, limit=limit, token=token)
         names = self.volumes.names(rows)
         return [m.ListedSandbox.of(r, disk_mb=self._disk_mb(r), volume_names=names) for r in rows], next_token
 

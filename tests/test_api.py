@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
@@ -71,6 +72,13 @@ def test_e2b_sdk_round_trip(server: NodeServer, monkeypatch: pytest.MonkeyPatch)
     assert [s.sandbox_id for s in listed] == [sid]
     assert Sandbox.list(query=SandboxQuery(metadata={"owner": "nobody"})).next_items() == []
     info = sbx.get_info()
+    # started_after and template, as the SDK sends them (startedAfter in RFC 3339, template by name)
+    for query, found in ((SandboxQuery(started_after=info.started_at - timedelta(seconds=5)), [sid]),
+                         (SandboxQuery(started_after=info.started_at + timedelta(seconds=5)), []),
+                         (SandboxQuery(template="base"), [sid]), (SandboxQuery(template="other"), [])):
+        assert [s.sandbox_id for s in Sandbox.list(query=query).next_items()] == found, query
+    r = server.client.get("/v2/sandboxes", params={"startedAfter": "yesterday"})
+    assert r.status_code == 400 and "startedAfter" in r.text, r.text
     assert info.template_id == "base" and info.state == SandboxState.RUNNING and info.metadata == {"owner": "sdk test"}
     sbx.set_timeout(900)
     assert (Sandbox.get_info(sid).end_at - info.started_at).total_seconds() > 800

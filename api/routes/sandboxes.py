@@ -4,6 +4,7 @@ them), plus Strata's fork and exec."""
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime, timezone
 
 from fastapi import APIRouter, Header, Query, Response
 
@@ -53,10 +54,15 @@ def list_v2(response: Response, node: NodeDep, caller: CallerDep,
             state: str | None = Query(None, description="running,paused (default both)"),
             limit: int = Query(100, ge=1, le=100),
             nextToken: str | None = Query(None),
-            order: str = Query("desc", pattern="^(asc|desc)$")) -> list[m.ListedSandbox]:
+            order: str = Query("desc", pattern="^(asc|desc)$"),
+            startedAfter: datetime | None = Query(None, description="RFC 3339; sandboxes started at or after it"),
+            template: str | None = Query(None, max_length=257, description="a template's ID or name")
+            ) -> list[m.ListedSandbox]:
     wanted = metadata_query(metadata)
+    after = None if startedAfter is None else (startedAfter if startedAfter.tzinfo else
+                                                startedAfter.replace(tzinfo=timezone.utc)).timestamp()
     rows, next_token = node.list_sandboxes_page(caller, metadata=wanted, states=states_query(state), order=order,
-                                                limit=limit, token=nextToken)
+                                                limit=limit, token=nextToken, started_after=after, template=template)
     if next_token is not None:
         response.headers["X-Next-Token"] = next_token
     return rows
