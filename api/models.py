@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Literal
 from uuid import UUID
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from vmm.agent import GuestMetrics
@@ -40,6 +40,16 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def refuse_unserved(body: object, unserved: dict[str, tuple[object, str]]) -> object:
+    """ValueError (a 400 naming the field) for a field of E2B's this node does not serve, given
+    with a value other than the one it means by default: taken and ignored, it would mislead."""
+    if isinstance(body, dict):
+        for name, (default, why) in unserved.items():
+            if name in body and body[name] not in (None, default) and body[name] != {}:
+                raise ValueError(f"{name} is not served by this node: {why}")
+    return body
+
+
 class Reply(BaseModel):
     """An E2B response body: every field is always sent (defaults included),
     and the schema says so, since E2B's SDKs read E2B's required fields
@@ -55,14 +65,23 @@ class Error(BaseModel):
 # --- E2B sandbox lifecycle ------------------------------------------------------
 class SandboxNetwork(Lenient):
     """E2B's `network` of a new sandbox and of `PUT /sandboxes/{id}/network`:
-    the egress rules (vmm/egress.py). E2B's other fields (dnsServers,
-    egressProxy, rules, maskRequestHost, httpsPorts) are accepted and not
-    applied: a sandbox's DNS always goes through its node's resolver."""
+    the egress rules (vmm/egress.py). E2B's `rules`, `egressProxy` and
+    `maskRequestHost` are refused (400 naming them) rather than ignored;
+    `dnsServers` and `httpsPorts` are accepted and not applied: a sandbox's
+    DNS always goes through its node's resolver."""
     allowOut: list[str] | None = Field(None, description="CIDRs, IPs and domains (example.com, *.example.com) "
                                                           "the sandbox may reach; beats denyOut")
     denyOut: list[str] | None = Field(None, description="CIDRs and IPs the sandbox may not reach")
     allowPublicTraffic: bool | None = Field(None, description="whether the sandbox's ports answer without its "
                                                               "traffic access token")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, body: object) -> object:
+        return refuse_unserved(body, {
+            "rules": ([], "per-host egress rules (header transforms) are not applied; use allowOut and denyOut"),
+            "egressProxy": (None, "egress goes out through the node, never through a proxy of the sandbox's"),
+            "maskRequestHost": (None, "the Host of requests to sandbox ports is passed on as sent")})
 
 
 class SandboxNetworkUpdate(SandboxNetwork):
@@ -93,6 +112,17 @@ class NewSandbox(Lenient):
     volumeMounts: list[SandboxVolumeMount] = Field(default_factory=list, max_length=16,
                                                    description="refused for now (400): the sandbox would not see "
                                                                "the volume; use the volume content API")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, body: object) -> object:
+        if isinstance(body, dict) and isinstance(body.get("autoResume"), dict):  # E2B's {"enabled": bool}
+            body = {**body, "autoResume": body["autoResume"].get("enabled", False)}
+        return refuse_unserved(body, {
+            "mcp": (None, "no MCP gateway runs in its sandboxes"),
+            "iam": (None, "sandboxes get no workload identity tokens"),
+            "autoResume": (False, "a paused sandbox resumes on connect or resume, not on traffic"),
+            "autoPauseMemory": (True, "its pauses always keep memory (no filesystem-only snapshots)")})
 
 
 class Sandbox(Reply):

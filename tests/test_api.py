@@ -193,6 +193,21 @@ def test_bad_input_changes_nothing(server: NodeServer) -> None:
         ("POST", "/templates", {"name": "t", "image": "nope:v1"}, 404),
         ("POST", f"/sandboxes/{sid}/pause", "not json", 400),
     ]
+    # E2B's fields this node does not serve: refused naming the field, never taken and ignored
+    unserved = {"mcp": {"mcp": {"github": {}}}, "iam": {"iam": {"tokens": {"aws": {}}}},
+                "autoResume": {"autoResume": {"enabled": True}}, "autoPauseMemory": {"autoPauseMemory": False},
+                "rules": {"network": {"rules": {"api.example.com": [{"transform": {}}]}}},
+                "egressProxy": {"network": {"egressProxy": {"url": "http://proxy.example"}}},
+                "maskRequestHost": {"network": {"maskRequestHost": "app.example"}}}
+    for name, fields in unserved.items():
+        r = c.post("/sandboxes", json={"templateID": "base", **fields})
+        assert r.status_code == 400 and f"{name} is not served" in r.json()["message"], (name, r.text)
+    r = c.put(f"/sandboxes/{sid}/network", json={"rules": {"a.example": []}, "allowOut": ["1.1.1.1"]})
+    assert r.status_code == 400 and "rules is not served" in r.json()["message"], r.text
+    for served in ({"autoResume": {"enabled": False}}, {"autoPauseMemory": True}, {"mcp": None}):
+        r = c.post("/sandboxes", json={"templateID": "base", "timeout": 60, **served})  # their defaults: taken
+        assert r.status_code == 201, (served, r.text)
+        assert c.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
     for method, path, body, status in cases:
         kwargs = {"content": body} if isinstance(body, str) else {"json": body} if body is not None else {}
         r = c.request(method, path, headers={"content-type": "application/json"} if body is not None else {}, **kwargs)
