@@ -96,10 +96,7 @@ class Catalog:
         name = check_template_name(name)
         if snapshot_id_of(name) is not None:
             raise InvalidInput(f"template name {name!r} is spelled like a snapshot id, which names that snapshot")
-        base = name.partition(":")[0]
-        for template in self.store.list_templates():
-            if template.name.partition(":")[0] == base:
-                caller.check_may_replace(template.owner, f"template {base}, with its tags,")
+        self._check_template_name_free(caller, name)
         if ":" in name:
             try:
                 caller.check_may_replace(self.store.ref_owner(name), f"image {name}")
@@ -309,14 +306,18 @@ class Catalog:
         self._check_ref_free(caller, ref)  # again: another team may have taken the name during the upload
         self.store.set_ref(ref, manifest_id, owner=caller.team)
 
+    def _check_template_name_free(self, caller: Caller, name: str) -> None:
+        """Conflict if another team has a template under NAME (of `NAME[:TAG]`), with any tag."""
+        base = name.partition(":")[0]
+        for template in self.store.list_templates():
+            if template.name.partition(":")[0] == base:
+                caller.check_may_replace(template.owner, f"template {base}, with its tags,")
+
     def _check_ref_free(self, caller: Caller, ref: str) -> None:
         """Conflict if `ref` is another team's image, or under the NAME of
         another team's template (a template stands before an image of its
         name, and its tags are its team's: check_template_free)."""
-        base = ref.partition(":")[0]
-        for template in self.store.list_templates():
-            if template.name.partition(":")[0] == base:
-                caller.check_may_replace(template.owner, f"template {base}, with its tags,")
+        self._check_template_name_free(caller, ref)
         try:
             owner = self.store.ref_owner(ref)
         except NotFound:

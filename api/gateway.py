@@ -50,7 +50,7 @@ from vmm import placement
 
 from . import listing
 from .ports import PORT_HOST
-from .proxy import (Scope, Unreachable, forward_websocket, new_client, refuse, relay, request_body,
+from .proxy import (Scope, Unreachable, forward_websocket, header, new_client, refuse, relay, request_body,
                     send_request, target_error, upstream)
 from .teams import same_secret
 
@@ -518,8 +518,7 @@ class Gateway:
         """The status and the node count; the nodes themselves for an admin key only."""
         members = await self._members()
         body: dict[str, Any] = {"status": "ok" if members else "no nodes", "count": len(members)}
-        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-api-key"), None)
-        if any(same_secret(given, key) for key in self._admin_keys):
+        if any(same_secret(header(scope, b"x-api-key"), key) for key in self._admin_keys):
             body["nodes"] = [{"node": m.node, "url": m.url, "held": m.held, "max": m.max} for m in members]
         await _send_json(send, 200 if members else 503, json.dumps(body).encode(), {})
 

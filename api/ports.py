@@ -47,7 +47,7 @@ import httpx
 from layerstore.errors import NotFound, StrataError
 
 from . import errors
-from .proxy import Scope, forward_http, forward_websocket, new_client, refuse, upstream
+from .proxy import Scope, forward_http, forward_websocket, header, new_client, refuse, upstream
 
 if TYPE_CHECKING:
     from .access import Access
@@ -86,33 +86,29 @@ class BadTarget(Exception):
     """A port header that names no port (400)."""
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
-
-
 def port_target(scope: Scope) -> Target | None:
     """The sandbox port a request is for, by its Host or else E2B's headers
     (None: the API's, envd's port included). BadTarget if the headers name
     one badly."""
-    token = _header(scope, TOKEN_HEADER.encode())
-    match = PORT_HOST.match(_header(scope, b"host") or "")
+    token = header(scope, TOKEN_HEADER.encode())
+    match = PORT_HOST.match(header(scope, b"host") or "")
     if match is not None:
         port = int(match.group(1))
         if not 0 < port <= 65535 or port == ENVD_PORT:
             return None
         code = runs_code(port, scope)
-        return Target(port, match.group(2), token, _header(scope, ACCESS_HEADER) if code else None, runs_code=code)
-    given = _header(scope, PORT_HEADER)
+        return Target(port, match.group(2), token, header(scope, ACCESS_HEADER) if code else None, runs_code=code)
+    given = header(scope, PORT_HEADER)
     if given is None:
         return None
     if not PORT.match(given) or not 0 < int(given) <= 65535:
         raise BadTarget(f"E2b-Sandbox-Port must be a port number (1-65535), not {given[:40]!r}")
-    sid = _header(scope, ID_HEADER)
+    sid = header(scope, ID_HEADER)
     if not sid:
         raise BadTarget("E2b-Sandbox-Port needs the sandbox's id in E2b-Sandbox-Id")
     if int(given) == ENVD_PORT:
         return None
-    return Target(int(given), sid, token, _header(scope, ACCESS_HEADER), by_header=True,
+    return Target(int(given), sid, token, header(scope, ACCESS_HEADER), by_header=True,
                   runs_code=runs_code(int(given), scope))
 
 
@@ -154,7 +150,7 @@ class PortProxy:
 def _secrets(scope: Scope, access: Access, sid: str) -> tuple[bytes, ...]:
     """The credential headers of the request that hold the node's secrets (kept from the guest)."""
     return tuple(name for name in (b"x-api-key", ACCESS_HEADER)
-                 if (value := _header(scope, name)) is not None and access.is_secret(sid, value))
+                 if (value := header(scope, name)) is not None and access.is_secret(sid, value))
 
 
 def _address(access: Access, target: Target) -> str:

@@ -48,6 +48,11 @@ _QUERY = re.compile(rb"^[!-~]*$")
 Scope = dict[str, Any]
 
 
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of request header `name` (lower case), None if it was not sent."""
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
+
+
 class Unreachable(Exception):
     """The target did not take the request (nothing listening, no answer in
     time); nothing was sent to the client yet, so the caller may try elsewhere."""

@@ -477,8 +477,7 @@ class VolumeFiles:
         if used + more > self._max_staged:
             raise fail(errno.ENOSPC, f"files open for writing in this volume may hold {self._max_staged} "
                                      "bytes on the node until closed")
-        self._staging_dir.mkdir(parents=True, exist_ok=True)
-        if more > shutil.disk_usage(self._staging_dir).free - DISK_RESERVE:
+        if more > shutil.disk_usage(self._staging_dir).free - DISK_RESERVE:  # (made by _held, every caller's)
             raise fail(errno.ENOSPC, "the node's disk has no room for more staged writes")
 
     def _file(self, fh: int) -> Path:
