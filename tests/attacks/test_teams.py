@@ -31,11 +31,14 @@ def test_another_teams_sandbox_is_missing(lab: Lab, method: str, action: str, bo
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/v2/sandboxes", "/sandboxes", "/sandboxes/metrics?sandbox_ids={sid}",
-                                  "/snapshots", "/templates", "/images", "/admin/sandboxes"])
+                                  "/snapshots", "/templates", "/images", "/admin/sandboxes",
+                                  "/v2/sandboxes?template=guest:alpha",
+                                  "/v2/sandboxes?startedAfter=2000-01-01T00:00:00Z&state=running,paused"])
 def test_no_listing_names_another_teams_sandbox(lab: Lab, path: str) -> None:
     """attacker: team beta.  target: alpha's sandbox id (with public ports
     by default, the id is what reaches alpha's services).  attempt: every
-    listing, the node's Prometheus metrics included.  must: alpha's id
+    listing, the node's Prometheus metrics included, and the v2 listing
+    filtered by alpha's template or a start time before alpha's.  must: alpha's id
     appears nowhere beta can read."""
     sid = lab.sandbox["sandboxID"]
     r = lab.beta.get(path.format(sid=sid))
